@@ -1,0 +1,306 @@
+"""Array interop: torch tensors, CuPy arrays, numba device arrays and NumPy arrays.
+
+Everything here is zero-copy. The per-call path reads a raw pointer, the shape,
+the dtype and the device of the caller's array (no DLPack, no framework op) and
+hands back prebuilt views of the backend's persistent buffers in the caller's own
+array type.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ITEMSIZE",
+    "ArrayInfo",
+    "ArrayKind",
+    "describe",
+    "make_view",
+    "normalize_dtype",
+    "resolve_stream",
+]
+
+#: Canonical dtype names this library moves, and their sizes in bytes.
+ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+LOGITS_DTYPES = ("bfloat16", "float16", "float32")
+
+_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "int32": "int32",
+    "int": "int32",
+}
+
+
+class ArrayKind(enum.Enum):
+    """Framework of an array."""
+
+    TORCH = "torch"
+    CUPY = "cupy"
+    NUMBA = "numba"
+    NUMPY = "numpy"
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What the library needs to know about one array.
+
+    Attributes
+    ----------
+    kind : ArrayKind
+    ptr : int
+        Address of element 0 (host address for CPU arrays).
+    shape : tuple[int, ...]
+    dtype : str
+        Canonical name (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"int32"``) or the
+        framework's own name for other dtypes.
+    device : int
+        CUDA device ordinal, or -1 for host memory.
+    contiguous : bool
+        C-contiguous.
+    """
+
+    kind: ArrayKind
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: int
+    contiguous: bool
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Canonical name of a torch, NumPy or CuPy dtype, or of a dtype name.
+
+    Raises
+    ------
+    TypeError
+        For a dtype the library does not move.
+    """
+    if isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+    else:
+        name = str(dtype).removeprefix("torch.")
+        if name.startswith("<class"):
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                pass
+    name = _ALIASES.get(name, name)
+    if name not in ITEMSIZE:
+        raise TypeError(
+            f"unsupported dtype {dtype!r}; expected one of bfloat16, float16, float32 "
+            "(logits) or int32"
+        )
+    return name
+
+
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _torch_dtype_name(dtype: Any) -> str:
+    name = _TORCH_DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        _TORCH_DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _kind_of(x: Any) -> ArrayKind:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return ArrayKind.TORCH
+    if mod.startswith("cupy"):
+        return ArrayKind.CUPY
+    if isinstance(x, np.ndarray):
+        return ArrayKind.NUMPY
+    if hasattr(x, "__cuda_array_interface__"):
+        return ArrayKind.NUMBA
+    raise TypeError(
+        f"unsupported array type {type(x).__module__}.{type(x).__qualname__}; expected a "
+        "torch.Tensor, cupy.ndarray, numba device array or numpy.ndarray"
+    )
+
+
+def describe(x: Any) -> ArrayInfo:
+    """Describe ``x`` without copying it or touching a GPU.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not an array of a supported framework.
+    """
+    kind = _kind_of(x)
+    if kind is ArrayKind.TORCH:
+        dev = x.device
+        return ArrayInfo(
+            kind,
+            x.data_ptr(),
+            tuple(x.shape),
+            _torch_dtype_name(x.dtype),
+            dev.index if dev.type == "cuda" else -1,
+            x.is_contiguous(),
+        )
+    if kind is ArrayKind.CUPY:
+        return ArrayInfo(
+            kind,
+            x.data.ptr,
+            tuple(x.shape),
+            x.dtype.name,
+            x.device.id,
+            bool(x.flags.c_contiguous),
+        )
+    if kind is ArrayKind.NUMPY:
+        return ArrayInfo(
+            kind,
+            x.ctypes.data,
+            tuple(x.shape),
+            x.dtype.name,
+            -1,
+            bool(x.flags.c_contiguous),
+        )
+    cai = x.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
+    dev = _numba_device(x)
+    return ArrayInfo(kind, int(cai["data"][0]), shape, dtype.name, dev, contiguous)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    acc = itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _numba_device(x: Any) -> int:
+    try:
+        from numba import cuda
+
+        return int(cuda.get_current_device().id)
+    except Exception:
+        return 0
+
+
+class _CudaArrayInterface:
+    """A minimal ``__cuda_array_interface__`` exporter over raw device memory."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: Any):
+        self._owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+def _storage_typestr(dtype: str) -> str:
+    # bfloat16 travels as its uint16 bit pattern and is re-viewed by torch.
+    return {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4", "int32": "<i4"}[dtype]
+
+
+def make_view(
+    kind: ArrayKind,
+    ptr: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    device: int,
+    owner: Any = None,
+) -> Any:
+    """A zero-copy array of framework ``kind`` over device memory at ``ptr``.
+
+    Parameters
+    ----------
+    kind : ArrayKind
+        Framework of the result (``NUMPY`` is not valid here: device memory).
+    ptr : int
+        Device address; the memory must outlive the view (``owner`` is kept alive
+        by it).
+    shape : tuple of int
+    dtype : str
+        Canonical dtype name.
+    device : int
+        CUDA device ordinal.
+    """
+    typestr = _storage_typestr(dtype)
+    if kind is ArrayKind.TORCH:
+        import torch
+
+        t = torch.as_tensor(
+            _CudaArrayInterface(ptr, shape, typestr, owner), device=f"cuda:{device}"
+        )
+        if dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return t
+    if dtype == "bfloat16":
+        raise TypeError(f"{kind.value} has no bfloat16 dtype; pass torch tensors for bfloat16")
+    if kind is ArrayKind.CUPY:
+        import cupy
+
+        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device)
+        return cupy.ndarray(shape, dtype=np.dtype(typestr), memptr=cupy.cuda.MemoryPointer(mem, 0))
+    if kind is ArrayKind.NUMBA:
+        from numba import cuda
+
+        return cuda.from_cuda_array_interface(
+            _CudaArrayInterface(ptr, shape, typestr, owner).__cuda_array_interface__,
+            owner=owner,
+            sync=False,
+        )
+    raise TypeError(f"cannot make a device view of kind {kind.value}")
+
+
+def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
+    """Raw ``cudaStream_t`` handle for an op on ``device``.
+
+    ``stream=None`` means the current stream of the input's framework (torch's
+    current stream, CuPy's current stream, the legacy default stream for numba).
+    An explicit torch or CuPy stream, an object with ``__cuda_stream__`` or a raw
+    integer handle is honoured.
+    """
+    if stream is None:
+        if kind is ArrayKind.TORCH:
+            import torch
+
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        if kind is ArrayKind.CUPY:
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+        return 0
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+    if handle is not None:
+        return int(handle)
+    ptr = getattr(stream, "ptr", None)  # cupy.cuda.Stream
+    if ptr is not None:
+        return int(ptr)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        return int(value[1])
+    handle = getattr(stream, "handle", None)  # numba stream
+    if handle is not None:
+        return int(getattr(handle, "value", handle) or 0)
+    raise TypeError(
+        f"unsupported stream {stream!r}; expected None, a torch or CuPy stream, an object "
+        "with __cuda_stream__, or an int handle"
+    )

@@ -1,0 +1,230 @@
+"""Host-side groups: who the ranks are and how they exchange small binary records.
+
+A :class:`HostGroup` gives ``rank``, ``size``, ``all_gather_bytes`` and ``barrier``
+(every wait bounded). Implementations:
+
+* :class:`TorchStoreGroup` over torch.distributed: records travel through the
+  process group's key-value store, so NCCL-only groups need no extra gloo group
+  and a missing peer raises within the timeout instead of hanging.
+* :class:`ThreadGroup`: several ranks as threads of one process (one GPU, one
+  stream each): tests, benchmarks and the single-GPU demo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from .errors import DpSampleError
+
+__all__ = ["HostGroup", "ThreadGroup", "TorchStoreGroup", "resolve_group"]
+
+
+@runtime_checkable
+class HostGroup(Protocol):
+    """What a communicator needs from its host-side group."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def same_process(self) -> bool:
+        """True when every rank lives in this process (peers share raw pointers)."""
+        ...
+
+    def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
+        """Every rank's ``data``, indexed by rank."""
+        ...
+
+    def barrier(self, *, timeout_s: float, what: str) -> None: ...
+
+
+_seq_lock = threading.Lock()
+_group_seq: dict[tuple[int, ...], itertools.count] = {}
+
+
+class TorchStoreGroup:
+    """A torch.distributed group whose records travel through the c10d store.
+
+    Parameters
+    ----------
+    ranks : tuple of int or None
+        Global ranks of the members, or None for the whole world.
+    process_group : torch.distributed.ProcessGroup or None
+        The group collectives run on (for the torch backend); None to create one
+        lazily from ``ranks`` when needed.
+    """
+
+    def __init__(self, ranks: tuple[int, ...] | None = None, process_group: Any = None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise DpSampleError(
+                "torch.distributed is not initialised; call "
+                "ipc_dpsample.launch.init_distributed() (torchrun / mpirun / plain python) "
+                "or pass a ThreadGroup"
+            )
+        world_rank = dist.get_rank()
+        if ranks is None:
+            ranks = tuple(range(dist.get_world_size()))
+        self.global_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
+        if world_rank not in self.global_ranks:
+            raise ValueError(f"this process (global rank {world_rank}) is not in group {ranks}")
+        self._rank = self.global_ranks.index(world_rank)
+        self._pg = process_group
+        self._store = dist.distributed_c10d._get_default_store()
+        with _seq_lock:
+            counter = _group_seq.setdefault(self.global_ranks, itertools.count())
+            instance = next(counter)
+        key = (
+            "-".join(map(str, self.global_ranks))
+            if len(self.global_ranks) <= 16
+            else (f"{len(self.global_ranks)}x{hash(self.global_ranks) & 0xFFFFFFFF:08x}")
+        )
+        self._prefix = f"ipc_dpsample/{key}/{instance}"
+        self._op = itertools.count()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self.global_ranks)
+
+    @property
+    def same_process(self) -> bool:
+        return self.size == 1
+
+    @property
+    def process_group(self) -> Any:
+        """The torch ProcessGroup of the members (created on first use)."""
+        if self._pg is None:
+            import torch.distributed as dist
+
+            if self.global_ranks == tuple(range(dist.get_world_size())):
+                self._pg = dist.group.WORLD
+            else:
+                self._pg = dist.new_group(list(self.global_ranks), use_local_synchronization=True)
+        return self._pg
+
+    def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
+        op = next(self._op)
+        base = f"{self._prefix}/{op}"
+        self._store.set(f"{base}/{self._rank}", data)
+        keys = [f"{base}/{r}" for r in range(self.size)]
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            raise DpSampleError(
+                f"rank {self._rank}: ranks {missing} of group {self.global_ranks} did not "
+                f"join '{what}' within {timeout_s:.1f} s ({exc})"
+            ) from None
+        return [bytes(self._store.get(k)) for k in keys]
+
+    def barrier(self, *, timeout_s: float, what: str) -> None:
+        self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)
+
+
+class _ThreadShared:
+    def __init__(self, size: int):
+        self.size = size
+        self.cond = threading.Condition()
+        self.slots: dict[int, dict[int, bytes]] = {}
+        self.readers: dict[int, int] = {}
+
+
+class ThreadGroup:
+    """One rank of a group whose ranks are threads of this process.
+
+    Create all ranks at once with :meth:`create` and hand ``groups[r]`` to the
+    thread that plays rank ``r``. Peers use each other's raw device pointers.
+    """
+
+    def __init__(self, shared: _ThreadShared, rank: int):
+        self._shared = shared
+        self._rank = rank
+        self._op = 0
+
+    @classmethod
+    def create(cls, size: int) -> list[ThreadGroup]:
+        """``size`` connected ranks."""
+        if size < 1:
+            raise ValueError(f"group size {size} < 1")
+        shared = _ThreadShared(size)
+        return [cls(shared, r) for r in range(size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._shared.size
+
+    @property
+    def same_process(self) -> bool:
+        return True
+
+    def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
+        sh = self._shared
+        op = self._op
+        self._op += 1
+        with sh.cond:
+            slot = sh.slots.setdefault(op, {})
+            slot[self._rank] = bytes(data)
+            sh.cond.notify_all()
+            ok = sh.cond.wait_for(lambda: len(slot) >= sh.size, timeout=timeout_s)
+            if not ok:
+                missing = sorted(set(range(sh.size)) - {k for k in slot if k >= 0})
+                raise DpSampleError(
+                    f"rank {self._rank}: ranks {missing} of the thread group did not join "
+                    f"'{what}' within {timeout_s:.1f} s"
+                )
+            result = [slot[r] for r in range(sh.size)]
+            readers = sh.readers.get(op, 0) + 1
+            if readers == sh.size:  # last reader frees the slot
+                del sh.slots[op]
+                sh.readers.pop(op, None)
+            else:
+                sh.readers[op] = readers
+        return result
+
+    def barrier(self, *, timeout_s: float, what: str) -> None:
+        self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)
+
+
+def resolve_group(group: Any) -> HostGroup:
+    """Turn the ``group`` argument of :class:`~ipc_dpsample.DpSamplingComm` into a
+    :class:`HostGroup`.
+
+    ``None`` is the torch.distributed world; a ProcessGroup is used as is; a tuple
+    (or list) of global ranks makes a subgroup; a HostGroup is used as is.
+    """
+    if isinstance(group, (ThreadGroup, TorchStoreGroup)):
+        return group
+    if group is None:
+        return TorchStoreGroup(None)
+    if isinstance(group, Sequence) and not isinstance(group, (str, bytes)):
+        ranks = tuple(int(r) for r in group)
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"group ranks {ranks} must be distinct and non-empty")
+        return TorchStoreGroup(ranks)
+    if type(group).__module__.startswith("torch"):
+        import torch.distributed as dist
+
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return TorchStoreGroup(ranks, process_group=group)
+    if isinstance(group, HostGroup):
+        return group
+    raise TypeError(
+        f"unsupported group {group!r}; expected None, a torch ProcessGroup, a tuple of "
+        "global ranks or a HostGroup (e.g. ipc_dpsample.ThreadGroup)"
+    )
