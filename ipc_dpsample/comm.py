@@ -460,8 +460,9 @@ class DpSamplingComm:
         c = self.config
         state = "open" if self.is_initialized else "closed"
         return (
-            f"DpSamplingComm(rank={c.rank}/{c.tp_size}, backend={getattr(self, '_backend_name', '?')},"
-            f" device={self.device}, max_pad_bs={c.max_pad_bs}, N={c.num_tokens_per_req}, "
+            f"DpSamplingComm(rank={c.rank}/{c.tp_size}, "
+            f"backend={getattr(self, '_backend_name', '?')}, device={self.device}, "
+            f"max_pad_bs={c.max_pad_bs}, N={c.num_tokens_per_req}, "
             f"V={c.vocab_size}, dtype={self._logits_dtype}, {state})"
         )
 

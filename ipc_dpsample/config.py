@@ -73,11 +73,10 @@ class CommConfig:
         if self.num_tokens_per_req < 1:
             raise ValueError(f"num_tokens_per_req={self.num_tokens_per_req} must be >= 1")
         if self.max_pad_bs < self.tp_size or self.max_pad_bs % self.tp_size:
+            suggestion = max(1, -(-self.max_pad_bs // self.tp_size)) * self.tp_size
             raise ValueError(
                 f"max_pad_bs={self.max_pad_bs} must be a positive multiple of "
-                f"tp_size={self.tp_size} (e.g. {
-                    max(1, -(-self.max_pad_bs // self.tp_size)) * self.tp_size
-                })"
+                f"tp_size={self.tp_size} (e.g. {suggestion})"
             )
         if self.vocab_size < self.tp_size or self.vocab_size % self.tp_size:
             raise ValueError(
