@@ -27,7 +27,7 @@ def get_module(source: str, device: int, options: tuple[str, ...] = ()) -> Any:
     with _lock:
         mod = _modules.get(key)
         if mod is None:
-            import cupy  # noqa: PLC0415
+            import cupy
 
             with cupy.cuda.Device(device):
                 mod = cupy.RawModule(
