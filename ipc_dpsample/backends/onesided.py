@@ -1,0 +1,543 @@
+"""The one-sided backend: CUDA IPC arena, device peer table, one kernel launch per op.
+
+Protocol (see ``kernels/onesided.cu`` and DESIGN.md "The one-sided protocol"):
+
+* op ``e`` (epochs start at 1, kept and advanced in device memory) uses receive
+  region and flag parity ``e & 1``; a peer can be at most one op ahead, so the
+  output of op ``e`` stays intact until this rank issues its next op;
+* swap: every CTA pushes its tile into the destination's region (16-byte vectors
+  where the relative alignment allows), fences and bumps a counter; the last CTA
+  writes ``flags[e&1][rank] = e << 32 | signature`` on every peer with release
+  semantics and waits (acquire) for every peer's flag;
+* gathers: one CTA; each 4-byte value travels with its epoch in one 8-byte LL
+  packet; the receiver spins until every slot shows the epoch and unpacks into
+  persistent outputs;
+* every spin is bounded by ``%globaltimer``; a timeout or a signature mismatch
+  (different op, ``pad_bs`` or dtype on a peer) is written to a host-mapped error
+  block, marks the communicator broken, and is raised by the host at the next call
+  or :meth:`check` as :class:`PeerTimeoutError` / :class:`DpSampleError`.
+
+Swap outputs: eagerly issued swaps return a view of the region the op wrote (no
+extra copy). Once any op has been captured into a CUDA graph the host can no
+longer know the device epoch's parity, so from then on every swap also copies
+its region into one fixed output buffer (a second small launch), which is what a
+captured consumer reads.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from typing import Any
+
+from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, make_view, resolve_stream
+from ..config import CommConfig, PeerRecord
+from ..errors import DpSampleError, PeerTimeoutError
+from ..group import HostGroup
+from ..ipc import (
+    IpcRecord,
+    close_peer,
+    injected_failure,
+    open_peer,
+    pack_ipc_record,
+    unpack_ipc_record,
+    validate_peer_record,
+)
+from ..kernel_cache import get_kernel
+from ..symmetric import (
+    OP_NAMES,
+    Arena,
+    ArenaLayout,
+    pack_signature,
+    unpack_signature,
+    upload_u64_table,
+)
+from .base import Backend
+
+__all__ = ["OnesidedBackend", "setup_onesided"]
+
+SOURCE = "onesided.cu"
+SWAP_BLOCK = int(os.environ.get("IPC_DPSAMPLE_SWAP_BLOCK", "512"))
+SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
+GATHER_BLOCK = 512
+#: Test hook: IPC_DPSAMPLE_TEST_SINGLE_BUFFER=1 makes every op use one data region
+#: (the original design's race); tests use it to prove the race is real and absent.
+ENV_SINGLE_BUFFER = "IPC_DPSAMPLE_TEST_SINGLE_BUFFER"
+_SETUP_TIMEOUT_S = 60.0
+_STATUS = struct.Struct("<B159s")  # 0 ok, 1 soft failure (fall back), 2 hard failure (raise)
+
+
+def probe_value(src: int, dst: int, pid: int) -> int:
+    """The word rank ``src`` writes into rank ``dst``'s probe slot at init (never 0)."""
+    return (0xD5 << 56) | ((src & 0xFFFF) << 40) | ((dst & 0xFFFF) << 24) | (pid & 0xFFFFFF)
+
+
+def _exchange_status(group: HostGroup, code: int, reason: str, what: str) -> tuple[int, str]:
+    raw = group.all_gather_bytes(
+        _STATUS.pack(code, reason.encode()[:159]), timeout_s=_SETUP_TIMEOUT_S, what=what
+    )
+    worst, why = 0, ""
+    for r, item in enumerate(raw):
+        c, msg = _STATUS.unpack(item)
+        if c > worst or (c and not why):
+            worst = max(worst, c)
+            text = msg.rstrip(b"\0").decode(errors="replace")
+            why = f"rank {r}: {text}"
+    return worst, why
+
+
+def setup_onesided(
+    cfg: CommConfig, group: HostGroup, device: int, records: list[PeerRecord]
+) -> tuple[OnesidedBackend | None, str]:
+    """Build the one-sided backend collectively, or agree on every rank that it
+    cannot run.
+
+    Every rank allocates and exports its arena, opens every peer's arena, writes a
+    probe word into every peer through the mapping with a kernel, and checks the
+    words it received. A failure on any rank vetoes the fast path on all ranks.
+
+    Returns
+    -------
+    (backend, detail)
+        ``backend`` is None when the fast path is vetoed; ``detail`` names the rank
+        and the cause.
+
+    Raises
+    ------
+    DpSampleError
+        A peer sent a malformed or inconsistent record (raised on every rank).
+    """
+    import cupy
+    from cupy.cuda import runtime
+
+    tp, rank = cfg.tp_size, cfg.rank
+    itemsize = ITEMSIZE[cfg.logits_dtype] if cfg.logits_dtype else 4
+    layout = ArenaLayout(tp, cfg.max_pad_bs, cfg.num_tokens_per_req, cfg.vocab_size, itemsize)
+    me = records[rank]
+    arena: Arena | None = None
+    code, reason = 0, ""
+    with cupy.cuda.Device(device):
+        try:
+            get_kernel(SOURCE, "dp_swap_push", device)  # compile before anything is shared
+            arena = Arena(layout, device)
+            handle = arena.ipc_handle()
+        except Exception as exc:
+            code, reason, handle = 1, f"arena setup failed: {type(exc).__name__}: {exc}", b""
+        rec = IpcRecord(
+            ok=code == 0,
+            rank=rank,
+            handle=handle,
+            offset=0,
+            nbytes=layout.total_bytes,
+            base_ptr=arena.ptr if arena is not None else 0,
+            pid=os.getpid(),
+            device=device,
+            host_id=me.host_id,
+            boot_id=me.boot_id,
+            gpu_uuid=me.gpu_uuid,
+            reason=reason,
+        )
+        raw = group.all_gather_bytes(
+            pack_ipc_record(rec), timeout_s=_SETUP_TIMEOUT_S, what="IPC handle exchange"
+        )
+        peer_recs: list[IpcRecord] = []
+        if code == 0:
+            try:
+                for src, item in enumerate(raw):
+                    prec = unpack_ipc_record(item)
+                    if prec.ok:
+                        validate_peer_record(prec, src, records[src], layout.total_bytes)
+                    peer_recs.append(prec)
+            except DpSampleError as exc:
+                code, reason = 2, str(exc)
+        worst, why = _exchange_status(group, code, reason, "IPC record validation")
+        if worst == 0 and not all(p.ok for p in peer_recs):
+            bad = next(p for p in peer_recs if not p.ok)
+            worst, why = 1, f"rank {bad.rank}: {bad.reason}"
+        if worst:
+            _teardown(group, arena, [], [], cfg.timeout_s)
+            if worst == 2:
+                raise DpSampleError(f"one-sided setup refused a peer record: {why}")
+            return None, why
+
+        # open every peer and write a probe word through each mapping
+        assert arena is not None
+        opened: list[int] = []
+        try:
+            for prec in peer_recs:
+                opened.append(open_peer(prec, rank))
+            table = upload_u64_table(opened, device)
+            probe = get_kernel(SOURCE, "dp_probe_write", device)
+            for dst, base in enumerate(opened):
+                value = probe_value(rank, dst, os.getpid())
+                probe((1,), (32,), (base + layout.probe_off + 8 * rank, value))
+            runtime.deviceSynchronize()
+        except Exception as exc:
+            code, reason = 1, f"opening peer arenas failed: {type(exc).__name__}: {exc}"
+            table = None
+        worst, why = _exchange_status(group, code, reason, "IPC open")
+        if worst == 0:
+            import numpy as np
+
+            got = np.empty(tp, dtype=np.uint64)
+            runtime.memcpy(got.ctypes.data, arena.ptr + layout.probe_off, 8 * tp, 2)
+            expect = [probe_value(src, rank, records[src].pid) for src in range(tp)]
+            if injected_failure("verify", rank):
+                expect[(rank + 1) % tp] ^= 1
+            bad = [s for s in range(tp) if int(got[s]) != expect[s]]
+            if bad:
+                code = 1
+                reason = (
+                    f"write/read-back through CUDA IPC failed: probe words from ranks {bad} "
+                    f"read {[hex(int(got[s])) for s in bad]}, expected "
+                    f"{[hex(expect[s]) for s in bad]}"
+                )
+            worst, why = _exchange_status(group, code, reason, "IPC verification")
+        if worst:
+            _teardown(group, arena, opened, peer_recs, cfg.timeout_s)
+            return None, why
+        assert table is not None
+        backend = OnesidedBackend(cfg, group, device, layout, arena, opened, peer_recs, table)
+    return backend, "verified"
+
+
+def _teardown(
+    group: HostGroup,
+    arena: Arena | None,
+    opened: list[int],
+    peer_recs: list[IpcRecord],
+    timeout_s: float,
+) -> None:
+    """Barrier, close peer mappings, barrier, free (freeing while a peer still maps
+    the arena is undefined behaviour). A barrier that times out (dead peer) is
+    reported as a warning and teardown goes on."""
+    try:
+        from cupy.cuda import runtime
+
+        runtime.deviceSynchronize()
+    except Exception:
+        pass
+    for what in ("teardown: before close", "teardown: after close"):
+        try:
+            group.barrier(timeout_s=timeout_s, what=what)
+        except DpSampleError as exc:
+            warnings.warn(f"ipc_dpsample: {exc}; continuing teardown", RuntimeWarning, stacklevel=3)
+        if what.endswith("before close"):
+            for ptr, prec in zip(opened, peer_recs, strict=False):
+                try:
+                    close_peer(ptr, prec)
+                except Exception as exc:
+                    warnings.warn(
+                        f"ipc_dpsample: closing rank {prec.rank}'s mapping failed: {exc}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            opened.clear()
+    if arena is not None:
+        arena.free()
+
+
+class OnesidedBackend(Backend):
+    """One-sided CUDA IPC backend (built by :func:`setup_onesided`)."""
+
+    name = "onesided"
+
+    def __init__(
+        self,
+        cfg: CommConfig,
+        group: HostGroup,
+        device: int,
+        layout: ArenaLayout,
+        arena: Arena,
+        opened: list[int],
+        peer_recs: list[IpcRecord],
+        table: Any,
+    ):
+        import cupy
+
+        self.cfg = cfg
+        self.group = group
+        self.device = device
+        self.layout = layout
+        self.arena = arena
+        self._opened = opened
+        self._peer_recs = peer_recs
+        self._table = table  # device uint64[tp], kept alive here
+        self._swap = get_kernel(SOURCE, "dp_swap_push", device)
+        self._copy_out = get_kernel(SOURCE, "dp_swap_copy_out", device)
+        self._gather = get_kernel(SOURCE, "dp_gather_ll", device)
+        self._logits_dtype: str | None = None
+        self._timeout_ns = int(cfg.timeout_s * 1e9)
+        self._parity_mask = 0 if os.environ.get(ENV_SINGLE_BUFFER) == "1" else 1
+        self._streams: dict[int, Any] = {}
+        self._host_epoch = 0
+        self._graphed = False
+        self._views: dict[Any, Any] = {}
+        self._swap_plans: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._gather_plans: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._error: DpSampleError | None = None
+        self._last_stream: int | None = None
+        with cupy.cuda.Device(device):
+            self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._event_recorded = False
+        self._runtime = cupy.cuda.runtime
+        self._ExternalStream = cupy.cuda.ExternalStream
+        if cfg.logits_dtype is not None:
+            self.prepare(cfg.logits_dtype)
+
+    # -- plumbing -----------------------------------------------------------------
+    def prepare(self, logits_dtype: str) -> None:
+        if ITEMSIZE[logits_dtype] > self.layout.itemsize:
+            raise ValueError(
+                f"logits_dtype={logits_dtype} needs {ITEMSIZE[logits_dtype]}-byte elements; the "
+                f"arena was sized for {self.layout.itemsize}"
+            )
+        if logits_dtype != self._logits_dtype:
+            self._logits_dtype = logits_dtype
+            self._swap_plans.clear()
+            self._views = {k: v for k, v in self._views.items() if k[0] != "swap"}
+
+    def _stream(self, handle: int) -> Any:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._ExternalStream(handle, self.device)
+            self._streams[handle] = s
+        return s
+
+    def _begin(self, handle: int) -> bool:
+        """Refuse a second stream while an op is in flight; return True when the
+        stream is being captured into a CUDA graph."""
+        if self._error is not None:
+            raise self._error
+        if self.arena.error_code():
+            self.check()
+        capturing = self._runtime.streamIsCapturing(handle) != 0
+        if capturing:
+            self._graphed = True
+        last = self._last_stream
+        if last is not None and last != handle and self._event_recorded and not capturing:
+            if not self._event.done:
+                raise DpSampleError(
+                    f"op issued on stream {handle:#x} while this communicator's previous op on "
+                    f"stream {last:#x} is still in flight: one op at a time per communicator "
+                    "(synchronise the streams, or use one communicator per stream)"
+                )
+        return capturing
+
+    def _end(self, handle: int, capturing: bool) -> None:
+        self._last_stream = handle
+        if not capturing:
+            self._event.record(self._stream(handle))
+            self._event_recorded = True
+
+    def _view(self, kind: ArrayKind, key: Any, ptr: int, shape: tuple[int, ...], dtype: str) -> Any:
+        k = (key, kind)
+        v = self._views.get(k)
+        if v is None:
+            v = make_view(kind, ptr, shape, dtype, self.device, owner=self)
+            self._views[k] = v
+        return v
+
+    def _sig(self, op: str, dtype: str, pad_bs: int) -> int:
+        return pack_signature(op, dtype, pad_bs)
+
+    # -- swap ---------------------------------------------------------------------
+    def _swap_plan(self, pad_bs: int) -> tuple[int, tuple[int, ...]]:
+        plan = self._swap_plans.get(pad_bs)
+        if plan is None:
+            cfg, lay = self.cfg, self.layout
+            assert self._logits_dtype is not None
+            itemsize = ITEMSIZE[self._logits_dtype]
+            rows = pad_bs // cfg.tp_size * cfg.num_tokens_per_req
+            shard_bytes = cfg.vocab_size // cfg.tp_size * itemsize
+            chunks = max(1, -(-shard_bytes // SWAP_CHUNK))
+            chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
+            grid = cfg.tp_size * rows * chunks
+            tail = (
+                int(self._table.data.ptr),
+                self.arena.ptr + lay.ctrl_off,
+                self.arena.err_host,
+                lay.swap_off,
+                lay.swap_region_bytes,
+                lay.flags_off,
+                cfg.rank,
+                cfg.tp_size,
+                rows,
+                shard_bytes,
+                cfg.vocab_size * itemsize,
+                chunks,
+                chunk_bytes,
+                self._sig("swap_batch_vocab", self._logits_dtype, pad_bs),
+                self._timeout_ns,
+                self._parity_mask,
+            )
+            plan = (grid, tail)
+            self._swap_plans[pad_bs] = plan
+        return plan
+
+    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        grid, tail = self._swap_plan(pad_bs)
+        s = self._stream(handle)
+        self._swap((grid,), (SWAP_BLOCK,), (info.ptr, *tail), stream=s)
+        cfg, lay = self.cfg, self.layout
+        dtype = self._logits_dtype
+        assert dtype is not None
+        rows = pad_bs // cfg.tp_size * cfg.num_tokens_per_req
+        shape = (rows, cfg.vocab_size)
+        if self._graphed:
+            nbytes = rows * cfg.vocab_size * ITEMSIZE[dtype]
+            fixed = self.arena.ptr + lay.swap_fixed_off
+            blocks = max(1, min(1024, nbytes // 65536))
+            self._copy_out(
+                (blocks,),
+                (256,),
+                (
+                    self.arena.ptr,
+                    self.arena.ptr + lay.swap_off,
+                    lay.swap_region_bytes,
+                    fixed,
+                    nbytes,
+                ),
+                stream=s,
+            )
+            out = self._view(info.kind, ("swap", pad_bs, "fixed"), fixed, shape, dtype)
+        else:
+            self._host_epoch += 1
+            parity = self._host_epoch & self._parity_mask
+            ptr = self.arena.ptr + lay.swap_off + parity * lay.swap_region_bytes
+            out = self._view(info.kind, ("swap", pad_bs, parity), ptr, shape, dtype)
+        self._end(handle, capturing)
+        return out
+
+    # -- gathers ------------------------------------------------------------------
+    def _gather_plan(self, kind: int, pad_bs: int) -> tuple[int, ...]:
+        key = (kind, pad_bs)
+        plan = self._gather_plans.get(key)
+        if plan is None:
+            cfg, lay, base = self.cfg, self.layout, self.arena.ptr
+            if kind == 0:
+                outs = (
+                    base + lay.out_predict_off,
+                    base + lay.out_accept_index_off,
+                    base + lay.out_accept_length_off,
+                )
+                sig = self._sig("gather_verify_outputs", "int32", pad_bs)
+            else:
+                outs = (base + lay.out_logprobs_off, 0, 0)
+                sig = self._sig("gather_verify_logprobs", "int32", pad_bs)
+            plan = (
+                *outs,
+                int(self._table.data.ptr),
+                base + lay.ctrl_off,
+                self.arena.err_host,
+                lay.ll_off,
+                lay.ll_region_bytes,
+                lay.ll_slots,
+                lay.flags_off,
+                cfg.rank,
+                cfg.tp_size,
+                pad_bs // cfg.tp_size,
+                cfg.num_tokens_per_req,
+                kind,
+                sig,
+                self._timeout_ns,
+                self._parity_mask,
+            )
+            self._gather_plans[key] = plan
+        return plan
+
+    def _launch_gather(
+        self, kind: int, ptrs: tuple[int, int, int], info: ArrayInfo, pad_bs: int, stream: Any
+    ) -> bool:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        plan = self._gather_plan(kind, pad_bs)
+        if not self._graphed:
+            self._host_epoch += 1
+        self._gather((1,), (GATHER_BLOCK,), (*ptrs, *plan), stream=self._stream(handle))
+        self._end(handle, capturing)
+        return capturing
+
+    def gather_verify_outputs(
+        self,
+        predict: Any,
+        accept_index: Any,
+        accept_length: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        stream: Any,
+    ) -> tuple[Any, Any, Any]:
+        ptrs = (info.ptr, _ptr(accept_index, info.kind), _ptr(accept_length, info.kind))
+        self._launch_gather(0, ptrs, info, pad_bs, stream)
+        lay, base, n, k = self.layout, self.arena.ptr, self.cfg.num_tokens_per_req, info.kind
+        return (
+            self._view(k, ("predict", pad_bs), base + lay.out_predict_off, (pad_bs, n), "int32"),
+            self._view(
+                k, ("accept_index", pad_bs), base + lay.out_accept_index_off, (pad_bs, n), "int32"
+            ),
+            self._view(
+                k, ("accept_length", pad_bs), base + lay.out_accept_length_off, (pad_bs,), "int32"
+            ),
+        )
+
+    def gather_verify_logprobs(
+        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, stream: Any
+    ) -> Any:
+        self._launch_gather(1, (info.ptr, 0, 0), info, pad_bs, stream)
+        lay, n = self.layout, self.cfg.num_tokens_per_req
+        return self._view(
+            info.kind,
+            ("logprobs", pad_bs),
+            self.arena.ptr + lay.out_logprobs_off,
+            (pad_bs, n),
+            "float32",
+        )
+
+    # -- errors and lifetime ------------------------------------------------------
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        code, rank, peer, op, expected, seen_sig, seen = self.arena.read_error()
+        if code == 0:
+            return
+        op_name = OP_NAMES.get(op, f"op {op}")
+        seen_epoch = seen >> 32
+        if code == 1:
+            self._error = PeerTimeoutError(
+                f"rank {rank}: peer rank {peer} did not take part in {op_name} (epoch "
+                f"{expected}) within {self.cfg.timeout_s:g} s; last word seen from it: epoch "
+                f"{seen_epoch}. The peer died, stalled, or skipped the op; this communicator is "
+                "unusable: close it and build a new one",
+                rank=rank,
+                peer=peer,
+                op=op_name,
+                expected_epoch=expected,
+                seen_epoch=seen_epoch,
+            )
+        else:
+            p_op, p_dtype, p_pad = unpack_signature(seen_sig)
+            self._error = DpSampleError(
+                f"rank {rank}: peer rank {peer} called {p_op}(pad_bs={p_pad}, dtype={p_dtype}) "
+                f"while this rank called {op_name} at epoch {expected}: the ranks' call "
+                "sequences diverged (every rank must call the same ops with the same pad_bs). "
+                "This communicator is unusable: close it and build a new one"
+            )
+        raise self._error
+
+    def close(self) -> None:
+        self._views.clear()
+        self._streams.clear()
+        _teardown(self.group, self.arena, self._opened, self._peer_recs, self.cfg.timeout_s)
+        self._table = None
+
+
+def _ptr(x: Any, kind: ArrayKind) -> int:
+    if kind is ArrayKind.TORCH:
+        return int(x.data_ptr())
+    if kind is ArrayKind.CUPY:
+        return int(x.data.ptr)
+    return int(x.__cuda_array_interface__["data"][0])
