@@ -497,6 +497,18 @@ class OnesidedBackend(Backend):
             "float32",
         )
 
+    def poison_for_testing(self, byte: int = 0xFF) -> None:
+        """Fill every swap region and gather output with ``byte`` (tests call this
+        between ops, after a group barrier, to prove every output element is
+        written). Synchronous."""
+        lay = self.layout
+        rt = self._runtime
+        rt.memset(self.arena.ptr + lay.swap_off, byte, 3 * lay.swap_region_bytes)
+        rt.memset(
+            self.arena.ptr + lay.out_predict_off, byte, lay.total_bytes - lay.out_predict_off
+        )
+        rt.deviceSynchronize()
+
     # -- errors and lifetime ------------------------------------------------------
     def check(self) -> None:
         if self._error is not None:

@@ -1,0 +1,79 @@
+"""Shared helpers of the GPU tests: skip reasons, deterministic random inputs, and
+the NumPy reference checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def gpu_skip_reason(min_gpus: int = 1) -> str | None:
+    """None when CuPy and torch can drive ``min_gpus`` GPUs, else what is missing."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError on a machine without a GPU
+        return f"needs a CUDA GPU visible to CuPy ({type(exc).__name__}: {str(exc)[:80]})"
+    if n < min_gpus:
+        return f"needs {min_gpus} CUDA GPU(s), found {n}"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "needs torch with CUDA (torch.cuda.is_available() is False)"
+    except Exception as exc:
+        return f"needs torch ({exc})"
+    return None
+
+
+TORCH_DTYPES = {}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def all_inputs(seed: int, tp: int, pad_bs: int, n: int, vs: int, dtype: str, device="cpu"):
+    """Every rank's local_logits for one swap (identical on every rank)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tp, pad_bs * n, vs, generator=g, device=device) * 10 + 0.5
+    return x.to(torch_dtype(dtype))
+
+
+def all_verify(seed: int, tp: int, pad_bs: int, n: int, device="cpu"):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = pad_bs // tp
+    hi = 2**31 - 1
+    pred = torch.randint(-hi, hi, (tp, r, n), generator=g, device=device, dtype=torch.int64)
+    acc = torch.randint(-hi, hi, (tp, r, n), generator=g, device=device, dtype=torch.int64)
+    ln = torch.randint(-hi, hi, (tp, r), generator=g, device=device, dtype=torch.int64)
+    lp = torch.randn(tp, r, n, generator=g, device=device) * 100
+    return pred.to(torch.int32), acc.to(torch.int32), ln.to(torch.int32), lp
+
+
+def swap_reference_torch(x_all, rank: int, tp: int, pad_bs: int, n: int):
+    """Reference of rank ``rank``'s swap output computed with torch indexing on the
+    same device (used where the NumPy round trip would dominate a long run); the
+    NumPy reference in ipc_dpsample.layout is checked against it in test_layout."""
+    rows = pad_bs // tp * n
+    vs = x_all.shape[-1]
+    blk = x_all[:, rank * rows : (rank + 1) * rows, :]  # [src, rows, vs]
+    return blk.permute(1, 0, 2).reshape(rows, tp * vs)
+
+
+def bits(t) -> np.ndarray:
+    """Bit pattern of a tensor as a NumPy integer array (bfloat16 has no NumPy dtype)."""
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.float32:
+        return t.view(torch.int32).numpy()
+    return t.numpy()
