@@ -8,9 +8,26 @@ Nothing is compiled at import time; the first op on a device pays the compile
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
-from .kernels import read_source
+
+def read_source(name: str) -> str:
+    """Text of the kernel source ``name``: from the installed package data
+    (``ipc_dpsample.kernels``) or, when running from a source tree without an
+    install (``PYTHONPATH=$PWD``), from the top-level ``kernels/`` folder."""
+    try:
+        from .kernels import read_source as installed
+    except ImportError:
+        path = Path(__file__).resolve().parent.parent / "kernels" / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"kernel source {name!r} not found: ipc_dpsample.kernels is not installed and "
+                f"{path} does not exist"
+            ) from None
+        return path.read_text()
+    return installed(name)
+
 
 __all__ = ["get_kernel", "get_module"]
 
