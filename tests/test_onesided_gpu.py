@@ -172,21 +172,27 @@ def _alternating_body(rank, tp, group, n_ops, delays, results):
                 snap = out.clone()
                 if not torch.equal(snap, ref):
                     bad += 1
+                    if first_bad is None:
+                        wrong = (snap != ref).nonzero()
+                        first_bad = (i, kind, int(wrong.shape[0]), wrong[:4].tolist())
                 comm.check()
         except DpSampleError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc} (first wrong op: {first_bad})"
         finally:
             stream.synchronize()
             group.barrier(timeout_s=60, what="end of alternating run")
+    if bad and error is None:
+        error = f"first wrong op: {first_bad}"
     results[rank] = (bad, error)
     return bad, error
 
 
+@pytest.mark.parametrize("delays", [False, True])
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_200_alternating_ops_with_random_delays_are_all_correct(tp):
+def test_200_alternating_ops_with_random_delays_are_all_correct(tp, delays):
     results = {}
-    out = run_threads(tp, _alternating_body, 200, True, results, timeout_s=600)
-    assert out == [(0, None)] * tp, out
+    out = run_threads(tp, _alternating_body, 200, delays, results, timeout_s=600)
+    assert out == [(0, None)] * tp, "\n".join(f"rank {r}: {o}" for r, o in enumerate(out))
 
 
 def test_single_buffer_design_has_the_race_this_design_removes(monkeypatch):

@@ -282,7 +282,6 @@ class OnesidedBackend(Backend):
             self._event = cupy.cuda.Event(block=False, disable_timing=True)
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
-        self._ExternalStream = cupy.cuda.ExternalStream
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
@@ -301,7 +300,7 @@ class OnesidedBackend(Backend):
     def _stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
         if s is None:
-            s = self._ExternalStream(handle, self.device)
+            s = external_stream(handle, self.device)
             self._streams[handle] = s
         return s
 
@@ -504,9 +503,7 @@ class OnesidedBackend(Backend):
         lay = self.layout
         rt = self._runtime
         rt.memset(self.arena.ptr + lay.swap_off, byte, 3 * lay.swap_region_bytes)
-        rt.memset(
-            self.arena.ptr + lay.out_predict_off, byte, lay.total_bytes - lay.out_predict_off
-        )
+        rt.memset(self.arena.ptr + lay.out_predict_off, byte, lay.total_bytes - lay.out_predict_off)
         rt.deviceSynchronize()
 
     # -- errors and lifetime ------------------------------------------------------
@@ -545,6 +542,27 @@ class OnesidedBackend(Backend):
         self._streams.clear()
         _teardown(self.group, self.arena, self._opened, self._peer_recs, self.cfg.timeout_s)
         self._table = None
+
+
+class _StreamRef:
+    """A raw ``cudaStream_t`` exposed through the ``__cuda_stream__`` protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int) -> Any:
+    """A CuPy stream object wrapping the raw handle (``Stream.from_external`` in
+    CuPy 14, ``ExternalStream`` before)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamRef(handle))
+    return cupy.cuda.ExternalStream(handle, device)
 
 
 def _ptr(x: Any, kind: ArrayKind) -> int:
