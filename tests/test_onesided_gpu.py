@@ -129,6 +129,7 @@ def _alternating_body(rank, tp, group, n_ops, delays, results):
     stream = torch.cuda.Stream()
     bad = 0
     error = None
+    first_bad = None
     with (
         torch.cuda.stream(stream),
         _comm(
