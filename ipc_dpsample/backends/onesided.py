@@ -282,6 +282,10 @@ class OnesidedBackend(Backend):
             self._event = cupy.cuda.Event(block=False, disable_timing=True)
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
+        # Launch the graph-mode copy once with nothing to copy: CUDA loads kernels
+        # lazily at first launch, which must not happen inside a stream capture.
+        self._copy_out((1,), (32,), (arena.ptr, arena.ptr, 0, arena.ptr, 0, 1))
+        self._runtime.deviceSynchronize()
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
