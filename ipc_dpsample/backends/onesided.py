@@ -285,6 +285,8 @@ class OnesidedBackend(Backend):
         # Launch the graph-mode copy once with nothing to copy: CUDA loads kernels
         # lazily at first launch, which must not happen inside a stream capture.
         self._copy_out((1,), (32,), (arena.ptr, arena.ptr, 0, arena.ptr, 0, 1))
+        for kernel in (self._swap, self._gather):
+            _ = kernel.max_threads_per_block  # cuFuncGetAttribute also forces the load
         self._runtime.deviceSynchronize()
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
