@@ -1,0 +1,59 @@
+"""The torch backend over gloo with several ranks: bit-exact against the NumPy reference,
+config and runtime mismatches raise on every rank.
+
+Each test spawns its ranks once (plain pytest) and batches many cases into that run;
+the same file runs unchanged on the launched ranks under
+``torchrun --nproc-per-node K -m pytest`` and ``mpirun -np K python -m pytest``
+(tests needing more ranks than were launched skip).
+"""
+
+from __future__ import annotations
+
+import _bodies
+import pytest
+
+from ipc_dpsample.testing import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+SEED = 20261202
+
+
+def _ranks_ran(results: list, world: int) -> list:
+    """Results of the ranks this process saw: all of them when spawned, this rank's
+    own (or none, if it sat out) when launched."""
+    assert len(results) in (0, 1, world), results
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_random_data_all_dtypes_n_pad_bs_and_50_alternating_ops(world: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.torch_matrix, SEED + world), world)
+    for counts in results:
+        # 3 dtypes x 2 N x 3 pad_bs x 3 ops; 50 alternating; 6 rounds x 6 ops on two comms
+        assert counts == {"matrix": 54, "alternating": 50, "two_comms": 36}, counts
+
+
+def test_runtime_pad_bs_mismatch_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_pad_bs), 2)
+    for messages in results:
+        assert len(messages) == 3
+
+
+def test_runtime_op_mismatch_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
+    for messages in results:
+        assert len(messages) == 6
+
+
+@pytest.mark.parametrize(("world", "odd_rank"), [(2, 1), (3, 1)])
+def test_config_mismatch_of_each_field_raises_on_every_rank(world: int, odd_rank: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.config_mismatch_fields, odd_rank), world)
+    for messages in results:
+        assert {"max_pad_bs", "num_tokens_per_req", "version", "record:magic"} <= set(messages)
+
+
+def test_config_mismatch_of_tp_size_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.config_mismatch_tp, timeout_s=90), 2)
+    for message in results:
+        assert "tp_size" in message
