@@ -168,6 +168,10 @@ def run_threads(
     """Run ``body(rank, world_size, group, *args)`` on ``world_size`` threads of this
     process sharing a :class:`ThreadGroup`; re-raise the first failure with every
     failing rank's traceback."""
+    # Several spinning kernels on one GPU need their own hardware queues: with the
+    # default 8 connections two ranks' streams can share one and deadlock until the
+    # timeout. Effective only before CUDA initialises in this process.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     groups = ThreadGroup.create(world_size)
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}

@@ -155,6 +155,23 @@ __device__ __forceinline__ void copy_block(char* dst, const char* src, u64 n) {
   }
 }
 
+// Copy the swap region of the op that just finished into a fixed output (used
+// when ops are captured in CUDA graphs, where the region parity alternates
+// between replays but the consumer reads one fixed address). Launched through
+// dp_swap_push with mode 1 (one kernel function for both steps).
+__device__ void swap_copy_out(const u32* ctrl, u64 swap_base, u64 swap_region_bytes, u64 out_ptr,
+                              u64 nbytes, u64 data_parity_mask) {
+  if (((volatile const u32*)ctrl)[CTRL_BROKEN] != 0) return;
+  const u32 e = ((volatile const u32*)ctrl)[CTRL_EPOCH];
+  const char* src = (const char*)(swap_base + (u64)(e & 1u & data_parity_mask) * swap_region_bytes);
+  const u64 step = ((nbytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
+  const u64 begin = step * blockIdx.x;
+  if (begin >= nbytes) return;
+  u64 n = nbytes - begin;
+  if (n > step) n = step;
+  copy_block((char*)out_ptr + begin, src + begin, n);
+}
+
 // swap_batch_vocab: one launch. CTA b handles (destination, row, chunk); rows for
 // the own rank stay local. Every CTA fences and bumps the local counter; the
 // last CTA alone signals the peers (thread t -> peer t) and waits for them.
@@ -172,7 +189,15 @@ extern "C" __global__ void dp_swap_push(
     i64 row_bytes_out,    // V * itemsize
     i64 chunks_per_row, i64 chunk_bytes,
     u64 sig, u64 timeout_ns,
-    u64 data_parity_mask) {  // 1; 0 forces one data region (test hook: shows the race)
+    u64 data_parity_mask,  // 1; 0 forces one data region (test hook: shows the race)
+    u64 mode) {            // 0: push; 1: copy the finished op's region to src_ptr (fixed out)
+  if (mode == 1) {
+    // reinterpretation for the graph-mode copy: src_ptr = fixed output,
+    // swap_off = swap region 0 address, shard_bytes = bytes to copy
+    swap_copy_out((const u32*)ctrl_ptr, swap_off, swap_region_bytes, src_ptr, (u64)shard_bytes,
+                  data_parity_mask);
+    return;
+  }
   u32* ctrl = (u32*)ctrl_ptr;
   const u64* peers = (const u64*)peers_ptr;
   ErrorBlock* err = (ErrorBlock*)err_ptr;
@@ -224,24 +249,6 @@ extern "C" __global__ void dp_swap_push(
     ctrl[CTRL_COUNTER] = 0;
     ctrl[CTRL_EPOCH] = e;
   }
-}
-
-// Copy the swap region of the op that just finished into a fixed output (used
-// when ops are captured in CUDA graphs, where the region parity alternates
-// between replays but the consumer reads one fixed address).
-extern "C" __global__ void dp_swap_copy_out(u64 ctrl_ptr, u64 swap_base, u64 swap_region_bytes,
-                                            u64 out_ptr, u64 nbytes, u64 data_parity_mask) {
-  const u32* ctrl = (const u32*)ctrl_ptr;
-  if (((volatile const u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile const u32*)ctrl)[CTRL_EPOCH];
-  const char* src = (const char*)(swap_base + (u64)(e & 1u & data_parity_mask) * swap_region_bytes);
-  const u64 per = (nbytes + gridDim.x - 1) / gridDim.x;
-  const u64 begin = ((per + 15) & ~15ull) * blockIdx.x;
-  if (begin >= nbytes) return;
-  u64 n = nbytes - begin;
-  const u64 step = (per + 15) & ~15ull;
-  if (n > step) n = step;
-  copy_block((char*)out_ptr + begin, src + begin, n);
 }
 
 // Gathers as LL packets: value | epoch << 32 in one 8-byte store, region parity

@@ -7,6 +7,11 @@ data, with outputs poisoned before each op.
 
 from __future__ import annotations
 
+import os
+
+# before CUDA initialises: every in-process rank's stream gets its own hardware queue
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 import random
 import threading
 import time

@@ -265,7 +265,6 @@ class OnesidedBackend(Backend):
         self._peer_recs = peer_recs
         self._table = table  # device uint64[tp], kept alive here
         self._swap = get_kernel(SOURCE, "dp_swap_push", device)
-        self._copy_out = get_kernel(SOURCE, "dp_swap_copy_out", device)
         self._gather = get_kernel(SOURCE, "dp_gather_ll", device)
         self._logits_dtype: str | None = None
         self._timeout_ns = int(cfg.timeout_s * 1e9)
@@ -282,12 +281,9 @@ class OnesidedBackend(Backend):
             self._event = cupy.cuda.Event(block=False, disable_timing=True)
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
-        # Launch the graph-mode copy once with nothing to copy: CUDA loads kernels
-        # lazily at first launch, which must not happen inside a stream capture.
-        self._copy_out((1,), (32,), (arena.ptr, arena.ptr, 0, arena.ptr, 0, 1))
+        # cuFuncGetAttribute forces the (lazy) load now: never inside a stream capture
         for kernel in (self._swap, self._gather):
-            _ = kernel.max_threads_per_block  # cuFuncGetAttribute also forces the load
-        self._runtime.deviceSynchronize()
+            _ = kernel.max_threads_per_block
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
@@ -376,6 +372,7 @@ class OnesidedBackend(Backend):
                 self._sig("swap_batch_vocab", self._logits_dtype, pad_bs),
                 self._timeout_ns,
                 self._parity_mask,
+                0,
             )
             plan = (grid, tail)
             self._swap_plans[pad_bs] = plan
@@ -396,15 +393,22 @@ class OnesidedBackend(Backend):
             nbytes = rows * cfg.vocab_size * ITEMSIZE[dtype]
             fixed = self.arena.ptr + lay.swap_fixed_off
             blocks = max(1, min(1024, nbytes // 65536))
-            self._copy_out(
+            # same kernel, mode 1: copy the region the op just wrote to the fixed output
+            self._swap(
                 (blocks,),
-                (256,),
+                (SWAP_BLOCK,),
                 (
-                    self.arena.ptr,
-                    self.arena.ptr + lay.swap_off,
+                    fixed,  # src_ptr: the fixed output
+                    0,
+                    self.arena.ptr,  # ctrl
+                    0,
+                    self.arena.ptr + lay.swap_off,  # swap_off: region 0 address
                     lay.swap_region_bytes,
-                    fixed,
-                    nbytes,
+                    *(0, 0, 0, 0),
+                    nbytes,  # shard_bytes: bytes to copy
+                    *(0, 0, 0, 0, 0),
+                    self._parity_mask,
+                    1,  # mode: copy-out
                 ),
                 stream=s,
             )
