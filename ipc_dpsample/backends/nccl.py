@@ -63,6 +63,10 @@ rank and a gather on another, a dead peer) make NCCL wait forever; NCCL has no
 timeout of its own. Use ``check()`` (``ncclCommGetAsyncError``) from a watchdog,
 and prefer the one-sided backend within one host, whose waits are bounded.
 
+One op at a time per communicator: the staging and gather buffers are shared by
+all ops, so ops issued on different streams must be ordered by the caller (as NCCL
+itself requires every rank to issue its ops in one order).
+
 Lifetime: :meth:`NcclBackend.close` waits (bounded) for every rank at a host
 barrier, then destroys the communicator; if a peer is gone it aborts instead and
 warns. Outputs are views of persistent buffers, valid until the next op of the
@@ -648,7 +652,9 @@ class NcclBackend(Backend):
                 rt.hostAlloc(ERROR_BYTES, rt.hostAllocMapped | rt.hostAllocPortable)
             )
             ctypes.memset(self._err_host, 0, ERROR_BYTES)
-            self._err_dev = int(rt.hostGetDevicePointer(self._err_host, 0))
+            # mapped pinned memory: under UVA the device address is the host address
+            attrs = rt.pointerGetAttributes(self._err_host)
+            self._err_dev = int(getattr(attrs, "devicePointer", 0) or self._err_host)
             self._err_code = ctypes.c_int32.from_address(self._err_host)
             rt.deviceSynchronize()
         self._ptr = {name: int(buf.data.ptr) for name, buf in self._bufs.items()}
