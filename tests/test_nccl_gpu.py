@@ -1,0 +1,871 @@
+"""NCCL backend on real GPUs.
+
+* kernels alone (one GPU, no NCCL): the permute for tp = 2..4 layouts, pack ->
+  simulated allGather -> unpack, and the header-mismatch reports, against the NumPy
+  reference;
+* a real tp=1 NCCL communicator: swap and both gathers, eager, replayed from a
+  ``torch.cuda.graph`` and from a CuPy stream capture, torch and CuPy inputs; the
+  same with this rank's block routed through NCCL self send/recv;
+* one process per GPU (``run_ranks``), tp = 2 and 4: the same suite, mismatched
+  calls reported on every rank, and ``auto`` choosing NCCL for a simulated
+  two-host group.
+
+Every result is compared bit-exactly with ipc_dpsample.layout on fresh random bit
+patterns, outputs poisoned before each op. Run:
+
+    PYTHONPATH=$PWD python3 -m pytest tests/test_nccl_gpu.py -v -rs
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ipc_dpsample import DpSampleError, DpSamplingComm, ThreadGroup
+from ipc_dpsample.arrays import describe
+from ipc_dpsample.backends.nccl import (
+    ERROR_BYTES,
+    ERROR_WORDS,
+    HDR_WORDS,
+    OP_GATHER_LOGPROBS,
+    OP_GATHER_OUTPUTS,
+    NcclBackend,
+    format_mismatch,
+    packed_width,
+    permute_launch,
+    swap_tag,
+    vector_width,
+)
+from ipc_dpsample.config import CommConfig
+from ipc_dpsample.identity import cupy_device_count, nccl_available
+from ipc_dpsample.layout import (
+    reference_gather_verify_logprobs,
+    reference_gather_verify_outputs,
+    reference_swap_batch_vocab,
+)
+from ipc_dpsample.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+_BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
+_SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
+
+
+# -- skips ------------------------------------------------------------------------------
+def _require_gpus(n: int = 1, *, nccl: bool = True) -> None:
+    found = cupy_device_count()
+    if found < 1:
+        pytest.skip(f"needs a CUDA GPU visible to CuPy (found {found})")
+    if nccl and not nccl_available():
+        pytest.skip("needs cupy.cuda.nccl (libnccl could not be loaded)")
+    if found < n:
+        pytest.skip(f"needs {n} GPUs, found {found}")
+
+
+def _require_torch_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA (torch.cuda.is_available() is False)")
+    return torch
+
+
+# -- data --------------------------------------------------------------------------------
+def _logit_bits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Random nonzero bit patterns (NaN payloads and denormals included)."""
+    t = _BITS[dtype]
+    return rng.integers(1, np.iinfo(t).max, size=shape, dtype=t, endpoint=True)
+
+
+def _int32s(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(-(2**31), 2**31, size=shape, dtype=np.int64).astype(np.int32)
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    return {
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+        "int32": torch.int32,
+    }[dtype]
+
+
+def _to_device(kind: str, bits: np.ndarray, dtype: str) -> Any:
+    """A device array of ``dtype`` holding ``bits`` (uint16/uint32 patterns or int32)."""
+    if kind == "torch":
+        import torch
+
+        signed = bits.view(_SIGNED.get(bits.dtype.type, bits.dtype.type))
+        t = torch.from_numpy(np.ascontiguousarray(signed)).to(f"cuda:{_device()}")
+        return t.view(_torch_dtype(dtype))
+    import cupy
+
+    arr = cupy.asarray(bits)
+    return arr if dtype == "int32" else arr.view(np.dtype(dtype))
+
+
+def _bits(x: Any) -> np.ndarray:
+    """Bit pattern of a device array as uint16/uint32 (or int32 for int32 arrays)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        t = x.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            return t.view(torch.int16).cpu().numpy().view(np.uint16)
+        if t.dtype == torch.float32:
+            return t.view(torch.int32).cpu().numpy().view(np.uint32)
+        return t.cpu().numpy()
+    import cupy
+
+    a = cupy.asnumpy(x)
+    if a.dtype == np.float16:
+        return a.view(np.uint16)
+    if a.dtype == np.float32:
+        return a.view(np.uint32)
+    return a
+
+
+def _refill(dst: Any, bits: np.ndarray) -> None:
+    """Copy bit patterns into a static device input, through an integer view."""
+    if type(dst).__module__.startswith("torch"):
+        import torch
+
+        signed = bits.view(_SIGNED.get(bits.dtype.type, bits.dtype.type))
+        src = torch.from_numpy(np.ascontiguousarray(signed)).to(dst.device)
+        dst.view(src.dtype).copy_(src)
+    else:
+        import cupy
+
+        dst.view(bits.dtype)[...] = cupy.asarray(bits)
+
+
+def _poison(x: Any) -> None:
+    if type(x).__module__.startswith("torch"):
+        x.fill_(float("nan") if x.is_floating_point() else -1)
+    else:
+        x.fill(np.nan if x.dtype.kind == "f" else -1)
+
+
+def _ptr(x: Any) -> int:
+    return int(x.data_ptr()) if type(x).__module__.startswith("torch") else int(x.data.ptr)
+
+
+def _device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def _sync() -> None:
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+# -- what a communicator must do, for any rank of any tp -----------------------------------
+Ops = Any  # DpSamplingComm or _BackendOps
+
+
+class _BackendOps:
+    """The communicator surface over a bare NcclBackend (for options the public
+    constructor does not expose)."""
+
+    def __init__(self, backend: NcclBackend):
+        self.backend = backend
+
+    def swap_batch_vocab(self, x: Any, *, pad_bs: int, stream: Any = None) -> Any:
+        return self.backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, stream=stream)
+
+    def gather_verify_outputs(
+        self, p: Any, a: Any, ln: Any, *, pad_bs: int, stream: Any = None
+    ) -> tuple[Any, Any, Any]:
+        return self.backend.gather_verify_outputs(
+            p, a, ln, describe(p), pad_bs=pad_bs, stream=stream
+        )
+
+    def gather_verify_logprobs(self, lp: Any, *, pad_bs: int, stream: Any = None) -> Any:
+        return self.backend.gather_verify_logprobs(lp, describe(lp), pad_bs=pad_bs, stream=stream)
+
+    def check(self) -> None:
+        self.backend.check()
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class _Case:
+    """One rank's view of one communicator configuration."""
+
+    def __init__(self, rank: int, tp: int, n: int, vocab: int, dtype: str, kind: str, seed: int):
+        self.rank, self.tp, self.n, self.vocab = rank, tp, n, vocab
+        self.dtype, self.kind = dtype, kind
+        self.rng = np.random.default_rng(seed)  # same seed on every rank: same inputs
+
+    def swap_inputs(self, pad_bs: int) -> list[np.ndarray]:
+        shape = (pad_bs * self.n, self.vocab // self.tp)
+        return [_logit_bits(self.rng, shape, self.dtype) for _ in range(self.tp)]
+
+    def swap_expected(self, inputs: list[np.ndarray], pad_bs: int) -> np.ndarray:
+        return reference_swap_batch_vocab(
+            inputs, tp=self.tp, num_tokens_per_req=self.n, pad_bs=pad_bs
+        )[self.rank]
+
+    def verify_inputs(self, pad_bs: int) -> tuple[list[np.ndarray], ...]:
+        r, n, tp = pad_bs // self.tp, self.n, self.tp
+        p = [_int32s(self.rng, (r, n)) for _ in range(tp)]
+        a = [_int32s(self.rng, (r, n)) for _ in range(tp)]
+        ln = [_int32s(self.rng, (r,)) for _ in range(tp)]
+        lp = [_logit_bits(self.rng, (r, n), "float32") for _ in range(tp)]
+        return p, a, ln, lp
+
+    def dev(self, bits: np.ndarray, dtype: str) -> Any:
+        return _to_device(self.kind, bits, dtype)
+
+
+def _check_swap(ops: Ops, case: _Case, pad_bs: int, stream: Any = None) -> Any:
+    inputs = case.swap_inputs(pad_bs)
+    out = ops.swap_batch_vocab(
+        case.dev(inputs[case.rank], case.dtype), pad_bs=pad_bs, stream=stream
+    )
+    _sync()
+    expected = case.swap_expected(inputs, pad_bs)
+    assert tuple(out.shape) == expected.shape
+    np.testing.assert_array_equal(_bits(out), expected)
+    return out
+
+
+def _check_gathers(ops: Ops, case: _Case, pad_bs: int, stream: Any = None) -> list[Any]:
+    p, a, ln, lp = case.verify_inputs(pad_bs)
+    me = case.rank
+    outs = ops.gather_verify_outputs(
+        case.dev(p[me], "int32"),
+        case.dev(a[me], "int32"),
+        case.dev(ln[me], "int32"),
+        pad_bs=pad_bs,
+        stream=stream,
+    )
+    olp = ops.gather_verify_logprobs(case.dev(lp[me], "float32"), pad_bs=pad_bs, stream=stream)
+    _sync()
+    for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
+        assert tuple(got.shape) == want.shape
+        np.testing.assert_array_equal(_bits(got), want)
+    np.testing.assert_array_equal(_bits(olp), reference_gather_verify_logprobs(lp))
+    return [*outs, olp]
+
+
+def _pad_sizes(max_pad_bs: int, tp: int) -> list[int]:
+    """Full, smallest, a middle size, then full again (outputs reused and re-checked)."""
+    mid = max(tp, max_pad_bs // 2 // tp * tp)
+    return [max_pad_bs, tp, mid, max_pad_bs, tp]
+
+
+def eager_suite(ops: Ops, case: _Case, max_pad_bs: int) -> None:
+    """Swap and both gathers at several pad_bs, each output poisoned before it is
+    produced again; the same pad_bs must give the same storage."""
+    seen: dict[tuple[str, int], list[Any]] = {}
+    for pad_bs in _pad_sizes(max_pad_bs, case.tp):
+        for what, run in (("swap", _check_swap), ("gathers", _check_gathers)):
+            before = seen.get((what, pad_bs))
+            if before is not None:
+                for x in before:
+                    _poison(x)
+                _sync()
+            got = run(ops, case, pad_bs)
+            got = got if isinstance(got, list) else [got]
+            if before is not None:
+                assert [_ptr(x) for x in got] == [_ptr(x) for x in before]
+            seen[(what, pad_bs)] = got
+    ops.check()
+
+
+def torch_graph_suite(ops: Ops, case: _Case, pad_bs: int, replays: int = 3) -> None:
+    """Capture swap + both gathers in one torch.cuda.graph; replay with new inputs
+    copied into the static tensors and every output poisoned."""
+    import torch
+
+    assert case.kind == "torch"
+    me = case.rank
+    x = case.dev(case.swap_inputs(pad_bs)[me], case.dtype)
+    p, a, ln, lp = case.verify_inputs(pad_bs)
+    sp, sa, sl = (case.dev(v[me], "int32") for v in (p, a, ln))
+    slp = case.dev(lp[me], "float32")
+
+    def ops_once() -> list[Any]:
+        out = ops.swap_batch_vocab(x, pad_bs=pad_bs)
+        outs = ops.gather_verify_outputs(sp, sa, sl, pad_bs=pad_bs)
+        olp = ops.gather_verify_logprobs(slp, pad_bs=pad_bs)
+        return [out, *outs, olp]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: NCCL connections, kernel loads, views
+            ops_once()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = ops_once()
+    for _ in range(replays):
+        inputs = case.swap_inputs(pad_bs)
+        p, a, ln, lp = case.verify_inputs(pad_bs)
+        _refill(x, inputs[me])
+        for dst, src in ((sp, p), (sa, a), (sl, ln), (slp, lp)):
+            _refill(dst, src[me])
+        for o in outs:
+            _poison(o)
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(_bits(outs[0]), case.swap_expected(inputs, pad_bs))
+        for got, want in zip(outs[1:4], reference_gather_verify_outputs(p, a, ln), strict=True):
+            np.testing.assert_array_equal(_bits(got), want)
+        np.testing.assert_array_equal(_bits(outs[4]), reference_gather_verify_logprobs(lp))
+    ops.check()
+    del graph
+
+
+def cupy_graph_suite(ops: Ops, case: _Case, pad_bs: int, replays: int = 3) -> None:
+    """The same with CuPy arrays, captured from a non-blocking CuPy stream (the op
+    gets the stream explicitly for the swap, implicitly for the gathers)."""
+    import cupy
+
+    assert case.kind == "cupy"
+    me = case.rank
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = case.dev(case.swap_inputs(pad_bs)[me], case.dtype)
+        p, a, ln, lp = case.verify_inputs(pad_bs)
+        sp, sa, sl = (case.dev(v[me], "int32") for v in (p, a, ln))
+        slp = case.dev(lp[me], "float32")
+
+        def ops_once() -> list[Any]:
+            out = ops.swap_batch_vocab(x, pad_bs=pad_bs, stream=stream)
+            outs = ops.gather_verify_outputs(sp, sa, sl, pad_bs=pad_bs)
+            olp = ops.gather_verify_logprobs(slp, pad_bs=pad_bs)
+            return [out, *outs, olp]
+
+        warm = ops_once()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outs = ops_once()
+        finally:
+            graph = stream.end_capture()
+    assert [_ptr(o) for o in outs] == [_ptr(o) for o in warm]
+    for _ in range(replays):
+        inputs = case.swap_inputs(pad_bs)
+        p, a, ln, lp = case.verify_inputs(pad_bs)
+        with stream:
+            _refill(x, inputs[me])
+            for dst, src in ((sp, p), (sa, a), (sl, ln), (slp, lp)):
+                _refill(dst, src[me])
+            for o in outs:
+                _poison(o)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(_bits(outs[0]), case.swap_expected(inputs, pad_bs))
+        for got, want in zip(outs[1:4], reference_gather_verify_outputs(p, a, ln), strict=True):
+            np.testing.assert_array_equal(_bits(got), want)
+        np.testing.assert_array_equal(_bits(outs[4]), reference_gather_verify_logprobs(lp))
+    ops.check()
+
+
+def _full_suite(ops: Ops, case: _Case, max_pad_bs: int) -> None:
+    eager_suite(ops, case, max_pad_bs)
+    if case.kind == "torch":
+        torch_graph_suite(ops, case, max_pad_bs)
+        torch_graph_suite(ops, case, case.tp)
+    else:
+        cupy_graph_suite(ops, case, max_pad_bs)
+
+
+def _comm(
+    tp: int, rank: int, group: Any, *, device: int, dtype: str | None, vocab: int, **kw: Any
+) -> DpSamplingComm:
+    kw.setdefault("backend", "nccl")
+    kw.setdefault("max_pad_bs", 4 * tp)
+    kw.setdefault("num_tokens_per_req", 3)
+    return DpSamplingComm(
+        tp_size=tp,
+        rank=rank,
+        group=group,
+        vocab_size=vocab,
+        logits_dtype=dtype,
+        device=device,
+        timeout_s=60.0,
+        **kw,
+    )
+
+
+# -- kernels alone (one GPU, no NCCL) --------------------------------------------------------
+class _Kernels:
+    """The backend's kernels driven by hand, with every buffer a CuPy array."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        from ipc_dpsample.kernel_cache import get_kernel
+
+        self.cupy = cupy
+        self.get = lambda name: get_kernel("nccl.cu", name, _device())
+
+    def ctrl(self, rmax: int, tp: int, n: int, dtype: str, seq: int) -> Any:
+        """Counter word (+ padding) then the swap-header table [rmax][4]."""
+        table = np.zeros((rmax + 1, HDR_WORDS), dtype=np.int32)
+        table[0, 0] = seq
+        table[1:, 0] = swap_tag(dtype)
+        table[1:, 1] = np.arange(1, rmax + 1) * tp
+        table[1:, 2] = n
+        table[1:, 3] = seq
+        return self.cupy.asarray(table.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    ("tp", "me", "vs", "dtype", "route_self"),
+    [
+        (2, 0, 13, "float16", False),  # 26-byte rows: 2-byte vectors
+        (3, 1, 64, "bfloat16", False),  # 128-byte rows: 16-byte vectors
+        (4, 3, 13, "float32", False),  # 52-byte rows: 4-byte vectors
+        (3, 2, 1000, "float16", True),  # own block from staging
+        (2, 1, 3, "bfloat16", False),  # 6-byte rows
+    ],
+)
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_permute_kernel_layout_and_header_check(
+    tp: int, me: int, vs: int, dtype: str, route_self: bool, mismatch: bool
+) -> None:
+    _require_gpus(nccl=False)
+    k = _Kernels()
+    cupy = k.cupy
+    rng = np.random.default_rng(7 + tp + vs)
+    n, r, rmax, seq = 3, 2, 4, 41
+    pad_bs = r * tp
+    rows = r * n
+    itemsize = np.dtype(_BITS[dtype]).itemsize
+    rowbytes = vs * itemsize
+    inputs = [_logit_bits(rng, (pad_bs * n, vs), dtype) for _ in range(tp)]
+    expected = reference_swap_batch_vocab(inputs, tp=tp, num_tokens_per_req=n, pad_bs=pad_bs)[me]
+    staging_np = np.stack([x[me * rows : (me + 1) * rows] for x in inputs])
+    if not route_self:
+        staging_np[me] = 0x5A5A  # never read
+    staging = cupy.asarray(staging_np)
+    x = cupy.asarray(inputs[me])
+    out = cupy.full((rows, tp * vs), 0x7E7E, dtype=_BITS[dtype])
+    ctrl = k.ctrl(rmax, tp, n, dtype, seq)
+    my_hdr_np = np.array([swap_tag(dtype), pad_bs, n, seq], dtype=np.int32)
+    hdr_recv_np = np.tile(my_hdr_np, (tp, 1))
+    bad = (me + 1) % tp
+    if mismatch:
+        other = "float16" if dtype == "bfloat16" else "bfloat16"
+        hdr_recv_np[bad, 0] = swap_tag(other)
+    hdr_recv = cupy.asarray(hdr_recv_np)
+    err = cupy.zeros(ERROR_WORDS, dtype=cupy.int32)
+    self_rank = -1 if route_self else me
+    self_src = 0 if route_self else x.data.ptr + me * rows * rowbytes
+    width = vector_width(rowbytes, out.data.ptr, staging.data.ptr, self_src)
+    launch = permute_launch(rows, tp, rowbytes, width)
+    names = {16: "w16", 8: "w8", 4: "w4", 2: "w2", 1: "w1"}
+    table_ptr = ctrl.data.ptr + 4 * HDR_WORDS
+    k.get(f"nccl_permute_{names[width]}")(
+        (launch.grid,),
+        (launch.block,),
+        (
+            out.data.ptr,
+            staging.data.ptr,
+            self_src,
+            self_rank,
+            tp,
+            rows,
+            rowbytes,
+            launch.tps_log2,
+            hdr_recv.data.ptr,
+            table_ptr + (r - 1) * 4 * HDR_WORDS,
+            table_ptr,
+            rmax,
+            ctrl.data.ptr,
+            err.data.ptr,
+            me,
+        ),
+    )
+    _sync()
+    np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+    ctrl_np = cupy.asnumpy(ctrl).reshape(rmax + 1, HDR_WORDS)
+    assert ctrl_np[0, 0] == seq + 1
+    assert (ctrl_np[1:, 3] == seq + 1).all()
+    words = cupy.asnumpy(err).tolist()
+    if mismatch:
+        assert words[:4] == [1, 1, me, bad]
+        assert words[4:8] == my_hdr_np.tolist()
+        assert words[8:12] == hdr_recv_np[bad].tolist()
+        msg = format_mismatch(words)
+        assert f"rank {me}: swap_batch_vocab found rank {bad} in a different call" in msg
+    else:
+        assert words == [0] * ERROR_WORDS
+
+
+@pytest.mark.parametrize(("tp", "mismatch"), [(1, None), (3, None), (3, "pad_bs"), (3, "op")])
+def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
+    """Pack on every simulated rank, lay the slots side by side as allGather would,
+    unpack on rank 0, compare with the reference; a peer with another pad_bs or op
+    is reported (and, W being fixed, nothing is read out of bounds)."""
+    _require_gpus(nccl=False)
+    k = _Kernels()
+    cupy = k.cupy
+    rng = np.random.default_rng(11 + tp)
+    n, max_pad_bs, seq = 4, 4 * tp, 9
+    pad_bs = 2 * tp
+    r, rmax = pad_bs // tp, max_pad_bs // tp
+    width = packed_width(max_pad_bs, tp, n)
+    p = [_int32s(rng, (r, n)) for _ in range(tp)]
+    a = [_int32s(rng, (r, n)) for _ in range(tp)]
+    ln = [_int32s(rng, (r,)) for _ in range(tp)]
+    recv = cupy.full((tp, width), -7, dtype=cupy.int32)
+    ctrls = [k.ctrl(rmax, tp, n, "bfloat16", seq) for _ in range(tp)]
+    for src in range(tp):
+        dp, da, dl = (cupy.asarray(v[src]) for v in (p, a, ln))
+        their_pad = pad_bs + tp if (mismatch == "pad_bs" and src == tp - 1) else pad_bs
+        op = OP_GATHER_LOGPROBS if (mismatch == "op" and src == tp - 1) else OP_GATHER_OUTPUTS
+        k.get("nccl_pack")(
+            (1,),
+            (256,),
+            (
+                recv.data.ptr + src * width * 4,
+                dp.data.ptr,
+                r * n,
+                da.data.ptr,
+                r * n,
+                dl.data.ptr,
+                r,
+                op,
+                their_pad,
+                n,
+                ctrls[src].data.ptr,
+            ),
+        )
+    _sync()
+    slots = cupy.asnumpy(recv)
+    assert slots[0, :HDR_WORDS].tolist() == [OP_GATHER_OUTPUTS, pad_bs, n, seq]
+    body = slots[0, HDR_WORDS:]
+    np.testing.assert_array_equal(body[: r * n], p[0].reshape(-1))
+    np.testing.assert_array_equal(body[r * n : 2 * r * n], a[0].reshape(-1))
+    np.testing.assert_array_equal(body[2 * r * n : 2 * r * n + r], ln[0])
+    assert (body[2 * r * n + r :] == -7).all()  # the tail of the fixed width is not written
+
+    outs = [cupy.full(shape, -1, dtype=cupy.int32) for shape in ((max_pad_bs, n),) * 2]
+    outs.append(cupy.full((max_pad_bs,), -1, dtype=cupy.int32))
+    err = cupy.zeros(ERROR_WORDS, dtype=cupy.int32)
+    ctrl = ctrls[0]
+    table = ctrl.data.ptr + 4 * HDR_WORDS
+    per = 2 * r * n + r
+    k.get("nccl_unpack")(
+        (max(1, -(-tp * per // 256)),),
+        (256,),
+        (
+            recv.data.ptr,
+            width,
+            tp,
+            0,
+            outs[0].data.ptr,
+            r * n,
+            outs[1].data.ptr,
+            r * n,
+            outs[2].data.ptr,
+            r,
+            table,
+            rmax,
+            ctrl.data.ptr,
+            err.data.ptr,
+        ),
+    )
+    _sync()
+    for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got)[:pad_bs], want)
+        assert (cupy.asnumpy(got)[pad_bs:] == -1).all()
+    ctrl_np = cupy.asnumpy(ctrl).reshape(rmax + 1, HDR_WORDS)
+    assert ctrl_np[0, 0] == seq + 1 and (ctrl_np[1:, 3] == seq + 1).all()
+    words = cupy.asnumpy(err).tolist()
+    if mismatch is None:
+        assert words == [0] * ERROR_WORDS
+    else:
+        assert words[:4] == [1, OP_GATHER_OUTPUTS, 0, tp - 1]
+        msg = format_mismatch(words)
+        assert f"rank 0: gather_verify_outputs found rank {tp - 1} in a different call" in msg
+        if mismatch == "pad_bs":
+            assert f"rank {tp - 1} called gather_verify_outputs(pad_bs={pad_bs + tp}," in msg
+        else:
+            assert f"rank {tp - 1} called gather_verify_logprobs(pad_bs={pad_bs}," in msg
+
+
+# -- a real tp=1 NCCL communicator ------------------------------------------------------------
+TP1_CASES = [
+    ("torch", "bfloat16", 13),  # 26-byte rows
+    ("torch", "bfloat16", 64),  # 16-byte vectors
+    ("torch", "float16", 1000),
+    ("torch", "float32", 13),
+    ("torch", "bfloat16", 19008),  # V/tp of a 152k vocab at tp=8
+    ("cupy", "float16", 13),
+    ("cupy", "float32", 1000),
+]
+
+
+@pytest.mark.parametrize(("kind", "dtype", "vocab"), TP1_CASES)
+def test_tp1_communicator(kind: str, dtype: str, vocab: int) -> None:
+    _require_gpus()
+    if kind == "torch":
+        _require_torch_cuda()
+    comm = _comm(1, 0, ThreadGroup.create(1)[0], device=0, dtype=dtype, vocab=vocab, max_pad_bs=8)
+    try:
+        assert comm.backend == "nccl", comm.explain()
+        _full_suite(comm, _Case(0, 1, 3, vocab, dtype, kind, seed=vocab), 8)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "vocab"),
+    [("torch", "bfloat16", 13), ("cupy", "float16", 64), ("torch", "float32", 1000)],
+)
+def test_tp1_routed_through_nccl_self_send_recv(kind: str, dtype: str, vocab: int) -> None:
+    """This rank's block goes through ncclSend/ncclRecv to itself and the staging
+    buffer: on one GPU, the whole multi-rank data path, eager and captured."""
+    _require_gpus()
+    if kind == "torch":
+        _require_torch_cuda()
+    cfg = CommConfig(
+        tp_size=1,
+        rank=0,
+        max_pad_bs=8,
+        num_tokens_per_req=2,
+        vocab_size=vocab,
+        logits_dtype=dtype,
+        backend="nccl",
+    )
+    ops = _BackendOps(NcclBackend(cfg, ThreadGroup.create(1)[0], 0, route_self_through_nccl=True))
+    try:
+        _full_suite(ops, _Case(0, 1, 2, vocab, dtype, kind, seed=3 * vocab), 8)
+    finally:
+        ops.close()
+
+
+def test_tp1_prepare_switches_dtype_between_swaps() -> None:
+    _require_gpus()
+    _require_torch_cuda()
+    comm = _comm(1, 0, ThreadGroup.create(1)[0], device=0, dtype=None, vocab=40, max_pad_bs=4)
+    try:
+        for dtype in ("float32", "bfloat16", "float16", "float32"):
+            comm.prepare_verify_outputs(dtype)
+            case = _Case(0, 1, 3, 40, dtype, "torch", seed=5)
+            out = _check_swap(comm, case, 4)
+            assert str(out.dtype) == f"torch.{dtype}"
+        comm.check()
+    finally:
+        comm.close()
+
+
+def test_tp1_reported_error_is_raised_by_check_and_every_later_call() -> None:
+    """The host path of a kernel-reported mismatch: the block is host memory the
+    kernels write; check() and the next op raise, and keep raising."""
+    _require_gpus()
+    comm = _comm(1, 0, ThreadGroup.create(1)[0], device=0, dtype="float32", vocab=8)
+    try:
+        backend = comm._backend
+        assert isinstance(backend, NcclBackend)
+        comm.check()
+        words = [
+            1,
+            OP_GATHER_OUTPUTS,
+            0,
+            1,
+            OP_GATHER_OUTPUTS,
+            4,
+            3,
+            2,
+            OP_GATHER_LOGPROBS,
+            4,
+            3,
+            2,
+        ]
+        ctypes.memmove(
+            backend._err_host, struct.pack(f"<{ERROR_WORDS}i", *words, 0, 0, 0, 0), ERROR_BYTES
+        )
+        pattern = r"rank 0: gather_verify_outputs found rank 1 in a different call"
+        with pytest.raises(DpSampleError, match=pattern):
+            comm.check()
+        import cupy
+
+        case = _Case(0, 1, 3, 8, "float32", "cupy", seed=1)
+        with pytest.raises(DpSampleError, match=pattern):
+            _check_swap(comm, case, 4)
+        lp = cupy.ones((4, 3), dtype=cupy.float32)
+        with pytest.raises(DpSampleError, match=pattern):
+            comm.gather_verify_logprobs(lp, pad_bs=4)
+    finally:
+        comm.close()
+    assert not comm.is_initialized
+
+
+def test_tp1_close_is_idempotent_and_views_outlive_it() -> None:
+    _require_gpus()
+    comm = _comm(1, 0, ThreadGroup.create(1)[0], device=0, dtype="float16", vocab=16)
+    case = _Case(0, 1, 3, 16, "float16", "cupy", seed=2)
+    out = _check_swap(comm, case, 4)
+    before = _bits(out)
+    comm.close()
+    comm.close()
+    np.testing.assert_array_equal(_bits(out), before)  # the view keeps its buffer alive
+    with pytest.raises(DpSampleError, match=r"closed"):
+        comm.check()
+
+
+# -- one process per GPU -------------------------------------------------------------------------
+def _rank_device(rank: int) -> int:
+    import cupy
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = local % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(dev).use()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dev)
+    except ImportError:
+        pass
+    return dev
+
+
+def rank_suite_body(rank: int, world: int, group: Any, kind: str, dtype: str, vs: int) -> str:
+    os.environ.pop("IPC_DPSAMPLE_BACKEND", None)
+    dev = _rank_device(rank)
+    vocab = vs * world
+    comm = _comm(world, rank, group, device=dev, dtype=dtype, vocab=vocab)
+    try:
+        assert comm.backend == "nccl", comm.explain()
+        _full_suite(comm, _Case(rank, world, 3, vocab, dtype, kind, seed=100 + vs), 4 * world)
+        return comm.explain()
+    finally:
+        comm.close()
+
+
+def _run(world: int, body: Callable[..., Any], *args: Any) -> list[Any]:
+    _require_gpus(world)
+    return run_ranks(world, body, *args, timeout_s=400.0)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("kind", "dtype", "vs"),
+    [("torch", "bfloat16", 13), ("torch", "float32", 1000), ("cupy", "float16", 64)],
+)
+def test_multirank_suite(world: int, kind: str, dtype: str, vs: int) -> None:
+    _require_gpus(world)
+    if kind == "torch":
+        _require_torch_cuda()
+    results = _run(world, rank_suite_body, kind, dtype, vs)
+    assert all(r.startswith("nccl: requested explicitly") for r in results), results
+
+
+def gather_mismatch_body(rank: int, world: int, group: Any, what: str) -> str:
+    """Rank 0 disagrees (another gather, or another pad_bs); every rank must raise."""
+    import cupy
+
+    os.environ.pop("IPC_DPSAMPLE_BACKEND", None)
+    dev = _rank_device(rank)
+    comm = _comm(world, rank, group, device=dev, dtype="float32", vocab=2 * world)
+    try:
+        pad_bs = 2 * world
+        if what == "pad_bs" and rank == 0:
+            pad_bs = world
+        r, n = pad_bs // world, 3
+        ints = cupy.arange(r * n, dtype=cupy.int32).reshape(r, n) + 1
+        if what == "op" and rank == 0:
+            comm.gather_verify_logprobs(ints.astype(cupy.float32), pad_bs=pad_bs)
+        else:
+            comm.gather_verify_outputs(ints, ints + 1, ints[:, 0].copy(), pad_bs=pad_bs)
+        _sync()
+        with pytest.raises(DpSampleError, match=r"in a different call") as info:
+            comm.check()
+        # sticky, and raised before any NCCL call (so no rank can hang in the next op)
+        with pytest.raises(DpSampleError, match=r"in a different call"):
+            comm.gather_verify_logprobs(ints.astype(cupy.float32), pad_bs=pad_bs)
+        return str(info.value)
+    finally:
+        comm.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("what", ["op", "pad_bs"])
+def test_multirank_gather_mismatch_raises_on_every_rank(world: int, what: str) -> None:
+    msgs = _run(world, gather_mismatch_body, what)
+    for rank, msg in enumerate(msgs):
+        assert msg.startswith(f"rank {rank}: "), msg
+        if what == "op":
+            assert "gather_verify_logprobs" in msg and "gather_verify_outputs" in msg
+        else:
+            assert f"pad_bs={world}," in msg and f"pad_bs={2 * world}," in msg
+
+
+def swap_dtype_mismatch_body(rank: int, world: int, group: Any) -> str:
+    """Rank 0 swaps bfloat16, the others float16: same byte count, so NCCL completes
+    and the swap headers must expose it on every rank."""
+    import torch
+
+    os.environ.pop("IPC_DPSAMPLE_BACKEND", None)
+    dev = _rank_device(rank)
+    comm = _comm(world, rank, group, device=dev, dtype=None, vocab=8 * world)
+    try:
+        dtype = "bfloat16" if rank == 0 else "float16"
+        comm.prepare_verify_outputs(dtype)
+        pad_bs = world
+        x = torch.ones(pad_bs * 3, 8, dtype=_torch_dtype(dtype), device=f"cuda:{dev}")
+        comm.swap_batch_vocab(x, pad_bs=pad_bs)
+        torch.cuda.synchronize()
+        with pytest.raises(DpSampleError, match=r"swap_batch_vocab found rank \d+") as info:
+            comm.check()
+        return str(info.value)
+    finally:
+        comm.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_multirank_swap_dtype_mismatch_raises_on_every_rank(world: int) -> None:
+    _require_gpus(world)
+    _require_torch_cuda()
+    msgs = _run(world, swap_dtype_mismatch_body)
+    for rank, msg in enumerate(msgs):
+        assert msg.startswith(f"rank {rank}: ")
+        assert "bfloat16" in msg and "float16" in msg
+
+
+def auto_two_hosts_body(rank: int, world: int, group: Any) -> str:
+    """Ranks claim different hosts (IPC_DPSAMPLE_HOST_ID): auto must pick NCCL."""
+    os.environ.pop("IPC_DPSAMPLE_BACKEND", None)
+    os.environ["IPC_DPSAMPLE_HOST_ID"] = f"simulated-host-{rank}"
+    dev = _rank_device(rank)
+    comm = _comm(world, rank, group, device=dev, dtype="float16", vocab=16 * world, backend="auto")
+    try:
+        assert comm.backend == "nccl", comm.explain()
+        case = _Case(rank, world, 3, 16 * world, "float16", "cupy", seed=77)
+        _check_swap(comm, case, 2 * world)
+        _check_gathers(comm, case, 2 * world)
+        comm.check()
+        return comm.explain()
+    finally:
+        comm.close()
+
+
+@pytest.mark.multirank
+def test_auto_picks_nccl_for_a_simulated_two_host_group() -> None:
+    reasons = _run(2, auto_two_hosts_body)
+    for reason in reasons:
+        assert reason.startswith("nccl: ") and "2 hosts" in reason, reason
