@@ -84,7 +84,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, make_view, resolve_stream
+from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, describe, make_view, resolve_stream
 from ..config import CommConfig
 from ..errors import BackendUnavailableError, DpSampleError
 from ..group import HostGroup
@@ -489,7 +489,7 @@ def _array_ptr(kind: ArrayKind, x: Any) -> int:
         return int(x.data_ptr())
     if kind is ArrayKind.CUPY:
         return int(x.data.ptr)
-    return int(x.__cuda_array_interface__["data"][0])
+    return describe(x).ptr
 
 
 @dataclass(frozen=True)
@@ -628,39 +628,44 @@ class NcclBackend(Backend):
         self._runtime = cupy.cuda.runtime
         from ..kernel_cache import get_kernel
 
-        cfg, tp, n = self.cfg, self.tp, self.cfg.num_tokens_per_req
         with cupy.cuda.Device(self.device):
             self._kernels = {name: get_kernel(SOURCE, name, self.device) for name in KERNEL_NAMES}
-            rows_max = self._rmax * n
-            swap_bytes = rows_max * cfg.vocab_size * self._max_itemsize
-            if tp > 1 or self._route_self:
-                self._alloc("staging", swap_bytes)
-            self._alloc("out_swap", swap_bytes)
-            self._alloc("hdr_recv", tp * HDR_BYTES)
-            # ctrl: int32 counter (padded to 16 bytes), then the swap-header table
-            # [rmax][4]: row R-1 = [OP_SWAP | dtype << 8, R * tp, N, seq].
-            self._alloc("ctrl", HDR_BYTES + self._rmax * HDR_BYTES)
-            self._alloc("grecv", tp * self._width * 4)
-            self._alloc("predict", cfg.max_pad_bs * n * 4)
-            self._alloc("accept_index", cfg.max_pad_bs * n * 4)
-            self._alloc("accept_length", cfg.max_pad_bs * 4)
-            self._alloc("logprobs", cfg.max_pad_bs * n * 4)
-            for buf in self._bufs.values():
-                buf.fill(0)
-            rt = cupy.cuda.runtime
-            self._err_host = int(
-                rt.hostAlloc(ERROR_BYTES, rt.hostAllocMapped | rt.hostAllocPortable)
-            )
-            ctypes.memset(self._err_host, 0, ERROR_BYTES)
-            # mapped pinned memory: under UVA the device address is the host address
-            attrs = rt.pointerGetAttributes(self._err_host)
-            self._err_dev = int(getattr(attrs, "devicePointer", 0) or self._err_host)
-            self._err_code = ctypes.c_int32.from_address(self._err_host)
-            rt.deviceSynchronize()
+            self._allocate()
+
+    def _allocate(self) -> None:
+        """Every persistent buffer (zeroed) and the host-mapped error block."""
+        cfg, tp, n = self.cfg, self.tp, self.cfg.num_tokens_per_req
+        swap_bytes = self._rmax * n * cfg.vocab_size * self._max_itemsize
+        if tp > 1 or self._route_self:
+            self._alloc("staging", swap_bytes)  # [tp, R*N, V/tp] bytes
+        self._alloc("out_swap", swap_bytes)  # [R*N, V]
+        self._alloc("hdr_recv", tp * HDR_BYTES)  # [tp, 4] int32
+        # ctrl: int32 op counter (padded to 16 bytes), then the swap-header table
+        # [rmax, 4] int32: row R-1 = [OP_SWAP | dtype << 8, R * tp, N, seq].
+        self._alloc("ctrl", HDR_BYTES + self._rmax * HDR_BYTES)
+        self._alloc("grecv", tp * self._width * 4)  # [tp, W] int32
+        self._alloc("predict", cfg.max_pad_bs * n * 4)
+        self._alloc("accept_index", cfg.max_pad_bs * n * 4)
+        self._alloc("accept_length", cfg.max_pad_bs * 4)
+        self._alloc("logprobs", cfg.max_pad_bs * n * 4)
+        for buf in self._bufs.values():
+            buf.fill(0)
+        self._err_host, self._err_dev = self._alloc_error_block()
+        ctypes.memset(self._err_host, 0, ERROR_BYTES)
+        self._err_code = ctypes.c_int32.from_address(self._err_host)
+        self._runtime.deviceSynchronize()
         self._ptr = {name: int(buf.data.ptr) for name, buf in self._bufs.items()}
         self._ptr.setdefault("staging", 0)
         self._counter = self._ptr["ctrl"]
         self._table = self._ptr["ctrl"] + HDR_BYTES
+
+    def _alloc_error_block(self) -> tuple[int, int]:
+        """Mapped pinned host memory for the error block: (host address, device address)."""
+        rt = self._runtime
+        host = int(rt.hostAlloc(ERROR_BYTES, rt.hostAllocMapped | rt.hostAllocPortable))
+        # under UVA (every 64-bit platform CUDA supports) the two addresses are equal
+        attrs = rt.pointerGetAttributes(host)
+        return host, int(getattr(attrs, "devicePointer", 0) or host)
 
     def _alloc(self, name: str, nbytes: int) -> None:
         """A dedicated ``cudaMalloc`` (not pooled), freed when the last view drops it."""
@@ -715,7 +720,7 @@ class NcclBackend(Backend):
         with cupy.cuda.Device(self.device):
             self._runtime.deviceSynchronize()  # ops in flight advance the counter
             ctrl = self._bufs["ctrl"].view(np.int32)
-            seq = int(ctrl[0].get())
+            seq = int(ctrl[:1].get()[0])
             table = np.empty((self._rmax, HDR_WORDS), dtype=np.int32)
             table[:, 0] = tag
             table[:, 1] = np.arange(1, self._rmax + 1, dtype=np.int32) * self.tp
