@@ -10,8 +10,9 @@ import re
 import shutil
 import struct
 import subprocess
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -485,13 +486,15 @@ def test_error_block_words_unpack() -> None:
 
 # -- the kernels themselves, emulated on the CPU --------------------------------------------
 # kernels/nccl.cu includes no toolkit header, so g++ builds it with a few definitions:
-# one std::thread per CUDA thread, std::barrier for __syncthreads, blocks in turn.
+# one std::thread per CUDA thread, std::barrier for __syncthreads, blocks in turn,
+# one kernel at a time.
 # This checks the index math, the header checks and the seq bookkeeping of every
 # kernel against the NumPy reference where no GPU exists; test_nccl_gpu.py runs the
 # same kernels for real.
 _EMULATION = r"""
 #include <barrier>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 struct Dim { unsigned x = 0, y = 0, z = 0; };
@@ -504,7 +507,9 @@ std::barrier<>* g_barrier = nullptr;
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 inline void __threadfence_system() {}
 #include "nccl.cu"
+static std::mutex g_launch;  // one kernel at a time (ranks may be threads of this process)
 static void launch(int grid, int block, const std::function<void()>& body) {
+  std::lock_guard<std::mutex> lock(g_launch);
   gridDim.x = grid;
   blockDim.x = block;
   for (int b = 0; b < grid; ++b) {
@@ -726,3 +731,387 @@ def test_emulated_logprobs_gather_single_segment(emulated: Any) -> None:
     )  # fmt: skip
     np.testing.assert_array_equal(out, np.concatenate(lp))
     assert (err == 0).all()
+
+
+# -- the whole host path on the CPU: emulated kernels, an in-process NCCL stand-in ------------
+# NcclBackend with only its device-facing leaves replaced: buffers are host arrays,
+# kernels run in the emulator, and "NCCL" moves bytes between ranks that are threads
+# of this process (send/recv matched per peer in order, recvs completed at
+# groupEnd; allGather). Everything else is the production code: set-up records,
+# plans, kernel arguments, pointer offsets, the NCCL call sequence, headers, the
+# error block and close().
+class _HostBuf(np.ndarray):
+    """A host array with the two CuPy members the backend uses (``data.ptr``, get/set)."""
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return _Ptr(int(self.ctypes.data))
+
+    def get(self) -> np.ndarray:
+        return np.array(self)
+
+    def set(self, value: np.ndarray) -> None:
+        self[...] = value
+
+
+class _Ptr:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class _Fabric:
+    """What NCCL would move between ranks, for ranks that are threads."""
+
+    SIZES: ClassVar[dict[int, int]] = {1: 1, 2: 4}  # NCCL_UINT8, NCCL_INT32
+
+    def __init__(self, tp: int):
+        self.tp = tp
+        self.cond = threading.Condition()
+        self.queues: dict[tuple[int, int], list[bytes]] = {}
+        self.gathers: dict[int, dict[int, bytes]] = {}
+
+    def post(self, src: int, dst: int, data: bytes) -> None:
+        with self.cond:
+            self.queues.setdefault((src, dst), []).append(data)
+            self.cond.notify_all()
+
+    def take(self, src: int, dst: int) -> bytes:
+        with self.cond:
+            q = self.queues.setdefault((src, dst), [])
+            assert self.cond.wait_for(lambda: q, timeout=30), f"no message {src}->{dst}"
+            return q.pop(0)
+
+    def all_gather(self, rank: int, seq: int, data: bytes) -> list[bytes]:
+        with self.cond:
+            slot = self.gathers.setdefault(seq, {})
+            slot[rank] = data
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: len(slot) == self.tp, timeout=30), "allGather"
+            return [slot[r] for r in range(self.tp)]
+
+
+class _FabricComm:
+    def __init__(self, fabric: _Fabric, rank: int):
+        self.fabric, self.rank = fabric, rank
+        self.pending: list[tuple[int, int, int]] | None = None
+        self.gathers = 0
+        self.log: list[tuple[str, int, int]] = []
+
+    def group_start(self) -> None:
+        assert self.pending is None, "nested groupStart"
+        self.pending = []
+
+    def group_end(self) -> None:
+        assert self.pending is not None, "groupEnd without groupStart"
+        for ptr, nbytes, peer in self.pending:
+            data = self.fabric.take(peer, self.rank)
+            # real NCCL would hang on a size mismatch; the stand-in fails loudly
+            assert len(data) == nbytes, f"rank {self.rank}: {len(data)} bytes != {nbytes}"
+            ctypes.memmove(ptr, data, nbytes)
+        self.pending = None
+
+    def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        assert self.pending is not None, "send outside a group"
+        nbytes = count * _Fabric.SIZES[dtype]
+        self.fabric.post(self.rank, peer, ctypes.string_at(ptr, nbytes))
+        self.log.append(("send", peer, nbytes))
+
+    def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        assert self.pending is not None, "recv outside a group"
+        self.pending.append((ptr, count * _Fabric.SIZES[dtype], peer))
+        self.log.append(("recv", peer, count * _Fabric.SIZES[dtype]))
+
+    def allGather(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
+        nbytes = count * _Fabric.SIZES[dtype]
+        parts = self.fabric.all_gather(self.rank, self.gathers, ctypes.string_at(send, nbytes))
+        self.gathers += 1
+        for r, part in enumerate(parts):
+            ctypes.memmove(recv + r * nbytes, part, nbytes)
+        self.log.append(("allGather", -1, nbytes))
+
+    def check_async_error(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        self.log.append(("destroy", -1, 0))
+
+    def abort(self) -> None:
+        self.log.append(("abort", -1, 0))
+
+
+class _FakeNccl:
+    NCCL_UINT8, NCCL_INT32 = 1, 2
+
+    class NcclError(RuntimeError):
+        pass
+
+    def __init__(self) -> None:
+        self.comm: _FabricComm | None = None
+
+    def get_unique_id(self) -> bytes:
+        return UID
+
+    def groupStart(self) -> None:
+        assert self.comm is not None
+        self.comm.group_start()
+
+    def groupEnd(self) -> None:
+        assert self.comm is not None
+        self.comm.group_end()
+
+
+class _FakeRuntime:
+    def __init__(self, device: int):
+        self.device = device
+
+    def getDevice(self) -> int:
+        return self.device
+
+    def setDevice(self, device: int) -> None:
+        raise AssertionError("the stand-in runtime has one device")
+
+    def deviceSynchronize(self) -> None:
+        pass
+
+    def freeHost(self, ptr: int) -> None:
+        pass
+
+
+class _FakeCupy:
+    def __init__(self, runtime: _FakeRuntime):
+        import contextlib
+
+        self.cuda = type(
+            "cuda",
+            (),
+            {"Device": staticmethod(lambda d: contextlib.nullcontext()), "runtime": runtime},
+        )
+
+
+def _emulated_kernels(lib: Any) -> dict[str, Any]:
+    def permute(width: int) -> Any:
+        return lambda grid, block, args, stream=None: lib.emu_permute(
+            width, grid[0], block[0], *args
+        )
+
+    kernels = {name: permute(w) for w, name in nb.PERMUTE_KERNELS.items()}
+    kernels["nccl_pack"] = lambda grid, block, args, stream=None: lib.emu_pack(
+        grid[0], block[0], *args
+    )
+    kernels["nccl_unpack"] = lambda grid, block, args, stream=None: lib.emu_unpack(
+        grid[0], block[0], *args
+    )
+    return kernels
+
+
+@pytest.fixture
+def host_backends(emulated: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Factory: ``make(world, body, **cfg)`` runs ``body(rank, backend, comm_log)`` on
+    ``world`` thread ranks, each with a NcclBackend over the stand-ins."""
+
+    def prepare_local(self: NcclBackend) -> None:
+        self._runtime = _FakeRuntime(self.device)
+        self._cupy = _FakeCupy(self._runtime)
+        self._nccl = _FakeNccl()
+        self._kernels = _emulated_kernels(emulated)
+        self._host_error_block = np.zeros(ERROR_WORDS, dtype=np.int32)
+        self._allocate()
+
+    def alloc(self: NcclBackend, name: str, nbytes: int) -> None:
+        self._bufs[name] = np.full(max(1, nbytes), 0xA5, dtype=np.uint8).view(_HostBuf)
+
+    def alloc_error_block(self: NcclBackend) -> tuple[int, int]:
+        ptr = int(self._host_error_block.ctypes.data)
+        return ptr, ptr
+
+    def view(
+        self: NcclBackend, kind: Any, key: str, pad_bs: int, shape: tuple[int, ...], dtype: str
+    ) -> np.ndarray:
+        name = "out_swap" if key == "swap" else key
+        np_dtype = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}.get(
+            dtype, np.int32
+        )
+        return (
+            self._bufs[name].view(np.ndarray).view(np_dtype)[: int(np.prod(shape))].reshape(shape)
+        )
+
+    monkeypatch.setattr(NcclBackend, "_prepare_local", prepare_local)
+    monkeypatch.setattr(NcclBackend, "_alloc", alloc)
+    monkeypatch.setattr(NcclBackend, "_alloc_error_block", alloc_error_block)
+    monkeypatch.setattr(NcclBackend, "_view", view)
+    monkeypatch.setattr(nb, "_cupy_stream", lambda handle, device: None)
+    monkeypatch.setattr(nb, "gpu_uuid", lambda device: "")
+
+    def make(world: int, body: Any, *, route_self: bool = False, **cfg_kw: Any) -> list[Any]:
+        fabric = _Fabric(world)
+
+        def create(self: NcclBackend, raw_uid: bytes) -> _FabricComm:
+            assert raw_uid == UID
+            comm = _FabricComm(fabric, self.rank)
+            self._nccl.comm = comm
+            return comm
+
+        monkeypatch.setattr(NcclBackend, "_create_communicator", create)
+
+        def rank_body(rank: int, world: int, group: Any) -> Any:
+            kw = {"max_pad_bs": 4 * world, "num_tokens_per_req": 3, "backend": "nccl"}
+            kw.update(cfg_kw)
+            cfg = CommConfig(tp_size=world, rank=rank, **kw)
+            backend = NcclBackend(cfg, group, 0, route_self_through_nccl=route_self)
+            try:
+                return body(rank, backend, backend._comm.log)
+            finally:
+                backend.close()
+
+        return run_threads(world, rank_body, timeout_s=120)
+
+    return make
+
+
+def _swap_and_check(
+    backend: NcclBackend, rank: int, world: int, pad_bs: int, vs: int, dtype: str, seed: int
+) -> None:
+    from ipc_dpsample.arrays import describe
+
+    rng = np.random.default_rng(seed)
+    n = backend.cfg.num_tokens_per_req
+    bits = np.uint32 if dtype == "float32" else np.uint16
+    inputs = [
+        rng.integers(1, np.iinfo(bits).max, size=(pad_bs * n, vs), dtype=bits, endpoint=True)
+        for _ in range(world)
+    ]
+    x = inputs[rank]
+    out = backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, stream=None)
+    expected = reference_swap_batch_vocab(inputs, tp=world, num_tokens_per_req=n, pad_bs=pad_bs)
+    np.testing.assert_array_equal(out, expected[rank])
+    out[...] = 0x7E7E  # poison for the next call
+
+
+def _gathers_and_check(backend: NcclBackend, rank: int, world: int, pad_bs: int, seed: int) -> None:
+    from ipc_dpsample.arrays import describe
+
+    rng = np.random.default_rng(seed)
+    n, r = backend.cfg.num_tokens_per_req, pad_bs // world
+
+    def ints(*shape: int) -> np.ndarray:
+        return rng.integers(-(2**31), 2**31, size=shape, dtype=np.int64).astype(np.int32)
+
+    p = [ints(r, n) for _ in range(world)]
+    a = [ints(r, n) for _ in range(world)]
+    ln = [ints(r) for _ in range(world)]
+    lp = [ints(r, n).view(np.float32) for _ in range(world)]
+    outs = backend.gather_verify_outputs(
+        p[rank], a[rank], ln[rank], describe(p[rank]), pad_bs=pad_bs, stream=None
+    )
+    for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
+        np.testing.assert_array_equal(got, want)
+        got[...] = -1
+    olp = backend.gather_verify_logprobs(lp[rank], describe(lp[rank]), pad_bs=pad_bs, stream=None)
+    np.testing.assert_array_equal(olp.view(np.int32), np.concatenate(lp).view(np.int32))
+    olp.view(np.int32)[...] = -1
+
+
+@pytest.mark.parametrize(
+    ("world", "vs", "dtype", "route_self"),
+    [
+        (2, 13, "float16", False),
+        (3, 64, "bfloat16", False),
+        (3, 7, "float32", False),
+        (2, 13, "bfloat16", True),
+        (1, 13, "float16", False),
+        (1, 40, "float32", True),
+    ],
+)
+def test_host_path_moves_every_byte(
+    host_backends: Any, world: int, vs: int, dtype: str, route_self: bool
+) -> None:
+    def body(rank: int, backend: NcclBackend, log: list[tuple[str, int, int]]) -> None:
+        n = backend.cfg.num_tokens_per_req
+        itemsize = 4 if dtype == "float32" else 2
+        for step, pad_bs in enumerate([4 * world, world, 2 * world, 4 * world]):
+            log.clear()
+            _swap_and_check(backend, rank, world, pad_bs, vs, dtype, seed=step)
+            chunk = pad_bs // world * n * vs * itemsize
+            peers = world if route_self else world - 1
+            assert sorted(log) == sorted(
+                [("send", p, 16) for p in range(world) if route_self or p != rank]
+                + [("recv", p, 16) for p in range(world) if route_self or p != rank]
+                + [("send", p, chunk) for p in range(world) if route_self or p != rank]
+                + [("recv", p, chunk) for p in range(world) if route_self or p != rank]
+            )
+            assert len(log) == 4 * peers
+            log.clear()
+            _gathers_and_check(backend, rank, world, pad_bs, seed=100 + step)
+            width = packed_width(4 * world, world, n)
+            assert log == [("allGather", -1, 4 * width)] * 2  # fixed size: pad_bs-independent
+        backend.check()
+
+    host_backends(world, body, route_self=route_self, vocab_size=vs * world, logits_dtype=dtype)
+
+
+def test_host_path_prepare_switches_dtype(host_backends: Any) -> None:
+    def body(rank: int, backend: NcclBackend, log: Any) -> None:
+        for step, dtype in enumerate(["float32", "bfloat16", "float16"]):
+            backend.prepare(dtype)
+            _swap_and_check(backend, rank, 2, 4, 5, dtype, seed=step)
+        backend.check()
+
+    host_backends(2, body, vocab_size=10)
+
+
+def test_host_path_gather_mismatch_raises_on_every_rank(host_backends: Any) -> None:
+    from ipc_dpsample.arrays import describe
+
+    def body(rank: int, backend: NcclBackend, log: Any) -> str:
+        _gathers_and_check(backend, rank, 3, 6, seed=1)  # one good op first: seq #2 next
+        _swap_and_check(backend, rank, 3, 3, 2, "float32", seed=2)
+        ints = np.arange(2 * 3, dtype=np.int32).reshape(2, 3)
+        if rank == 1:
+            backend.gather_verify_logprobs(
+                ints.view(np.float32), describe(ints), pad_bs=6, stream=None
+            )
+        else:
+            backend.gather_verify_outputs(
+                ints, ints, ints[:, 0].copy(), describe(ints), pad_bs=6, stream=None
+            )
+        with pytest.raises(DpSampleError) as info:
+            backend.check()
+        with pytest.raises(DpSampleError, match="in a different call"):  # sticky, before NCCL
+            backend.gather_verify_outputs(
+                ints, ints, ints[:, 0].copy(), describe(ints), pad_bs=6, stream=None
+            )
+        return str(info.value)
+
+    msgs = host_backends(3, body, vocab_size=6, logits_dtype="float32")
+    assert msgs[0].startswith("rank 0: gather_verify_outputs found rank 1 in a different call")
+    assert "rank 1 called gather_verify_logprobs(pad_bs=6, N=3) #3" in msgs[0]
+    assert msgs[1].startswith("rank 1: gather_verify_logprobs found rank 0 in a different call")
+    assert msgs[2].startswith("rank 2: gather_verify_outputs found rank 1 in a different call")
+
+
+def test_host_path_swap_dtype_mismatch_raises_on_every_rank(host_backends: Any) -> None:
+    from ipc_dpsample.arrays import describe
+
+    def body(rank: int, backend: NcclBackend, log: Any) -> str:
+        dtype = "bfloat16" if rank == 0 else "float16"
+        backend.prepare(dtype)
+        x = np.ones((2 * 3, 4), dtype=np.uint16)
+        backend.swap_batch_vocab(x, describe(x), pad_bs=2, stream=None)
+        with pytest.raises(DpSampleError) as info:
+            backend.check()
+        return str(info.value)
+
+    msgs = host_backends(2, body, vocab_size=8)
+    assert "this rank called swap_batch_vocab(pad_bs=2, N=3, bfloat16) #0" in msgs[0]
+    assert "rank 1 called swap_batch_vocab(pad_bs=2, N=3, float16) #0" in msgs[0]
+    assert msgs[1].startswith("rank 1: swap_batch_vocab found rank 0 in a different call")
+
+
+def test_host_path_close_destroys_and_frees(host_backends: Any) -> None:
+    logs: list[Any] = []
+
+    def body(rank: int, backend: NcclBackend, log: Any) -> None:
+        logs.append(log)
+
+    host_backends(2, body, vocab_size=4, logits_dtype="float16")
+    assert all(log[-1] == ("destroy", -1, 0) for log in logs)
