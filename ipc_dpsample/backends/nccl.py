@@ -48,10 +48,11 @@ the mismatched call are wrong.
 
 The swap's header choice: its data is sent straight from the caller's array, so
 the header cannot ride in the same buffer. Options were (a) a separate header
-``allGather`` before the data (one more NCCL launch, about the latency of a tiny
-collective, 10-20 us, per swap) or (b) one more 16-byte send/recv per peer *inside
-the same NCCL group* (no extra launch; one more small p2p step per peer, a few
-microseconds at most, and nothing at tp=1). This backend uses (b): the headers come
+``allGather`` before the data (one more NCCL launch per swap: the latency of a tiny
+collective, estimated 10-20 us on NVLink) or (b) one more 16-byte send/recv per peer
+*inside the same NCCL group* (no extra launch; one more small p2p step per peer,
+estimated at a few microseconds, nothing at tp=1; to be confirmed by the bench on
+a multi-GPU host). This backend uses (b): the headers come
 from a device table of prebuilt swap headers (one per ``R``) whose ``seq`` column
 the kernels keep current, so no kernel runs before the sends. What it catches: a
 ``logits_dtype`` that differs between ranks with the same element size (bfloat16
