@@ -842,15 +842,20 @@ class _NcclCupyRunner(_Runner):
             from cupy.cuda import nccl
         import cupy
 
+        from .backends.nccl import normalize_unique_id, unique_id_for_cupy
+
         self.ctx = ctx
         self.nccl = nccl
-        uid = nccl.get_unique_id() if ctx.rank == 0 else ()
-        raw = ctx.host.all_gather_bytes(
-            bytes(v & 0xFF for v in uid), timeout_s=120, what="nccl unique id"
-        )[0]
-        uid = tuple(b - 256 if b > 127 else b for b in raw)
+        mine = normalize_unique_id(nccl.get_unique_id()) if ctx.rank == 0 else b""
+        raw = ctx.host.all_gather_bytes(mine, timeout_s=120, what="nccl unique id")[0]
         with cupy.cuda.Device(ctx.device.index):
-            self.comm = nccl.NcclCommunicator(ctx.lp.tp, uid, ctx.rank)
+            try:
+                self.comm = nccl.NcclCommunicator(ctx.lp.tp, unique_id_for_cupy(raw), ctx.rank)
+            except TypeError:  # the other unique-id form (CuPy 13 tuple / CuPy 14 bytes)
+                form = "tuple" if isinstance(unique_id_for_cupy(raw), bytes) else "bytes"
+                self.comm = nccl.NcclCommunicator(
+                    ctx.lp.tp, unique_id_for_cupy(raw, form), ctx.rank
+                )
         self.u8 = int(getattr(nccl, "NCCL_UINT8", 1))
 
     def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
@@ -904,6 +909,7 @@ class _RankCtx:
     stream: Any  # torch.cuda.Stream or None
     cfg: BenchConfig
     lp: LaunchPlan
+    keep: Any = None  # the CUDA graph being timed
 
     def sync(self) -> None:
         if self.stream is not None:
@@ -930,29 +936,38 @@ def _make_runner(ctx: _RankCtx, impl: str) -> _Runner:
     return _NcclCupyRunner(ctx)
 
 
-def _measure(ctx: _RankCtx, fn: Callable[[], Any], mode: str) -> list[float]:
-    """Seconds per call: ``cfg.iters`` samples after a host barrier."""
+def _build(ctx: _RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[], Any], int]:
+    """What one timed sample runs, and how many calls it holds: ``fn`` itself
+    (eager), or the replay of a CUDA graph that captured ``cfg.graph_ops`` calls
+    (graph). Purely local: capturing launches nothing, so no rank waits here."""
+    if mode != "graph":
+        return fn, 1
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"):
+        for _ in range(ctx.cfg.graph_ops):
+            fn()
+    ctx.keep = graph  # replays need it alive; replaced at the next point
+    return graph.replay, ctx.cfg.graph_ops
+
+
+def _time(ctx: _RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds per call: ``cfg.iters`` samples of ``body`` (holding ``calls`` calls)
+    after a host barrier; CUDA events on the rank's stream, or ``perf_counter``."""
     cfg = ctx.cfg
     if ctx.stream is None:
         ctx.host.barrier(timeout_s=cfg.timeout_s, what="bench point")
         out = []
         for _ in range(cfg.iters):
             t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            body()
+            out.append((time.perf_counter() - t0) / calls)
         return out
     import torch
 
-    per_sample = 1
-    body = fn
-    if mode == "graph":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"):
-            for _ in range(cfg.graph_ops):
-                fn()
-        per_sample = cfg.graph_ops
-        body = graph.replay
-        body()  # first replay uploads the graph
+    if calls > 1:
+        body()  # the first replay uploads the graph
         ctx.sync()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
@@ -962,7 +977,7 @@ def _measure(ctx: _RankCtx, fn: Callable[[], Any], mode: str) -> list[float]:
         body()
         ends[i].record(ctx.stream)
     ctx.sync()
-    return [s.elapsed_time(e) / 1e3 / per_sample for s, e in zip(starts, ends, strict=True)]
+    return [s.elapsed_time(e) / 1e3 / calls for s, e in zip(starts, ends, strict=True)]
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -1082,39 +1097,67 @@ def _bench_impl(
                 if bar is not None:
                     bar.update()
                 continue
-            verified: bool | None = None
-            note = ""
-            try:
-                fn, check = runner.prepare(op, dtype, pad_bs)
-                if check is not None and cfg.verify:
-                    diff = check()
-                    verified, note = not diff, (f"WRONG RESULT: {diff}" if diff else "")
-                for _ in range(cfg.warmup):
-                    fn()
-                ctx.sync()
-                ok = True
-            except Exception as exc:
-                ok, note = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
-            if ctx.agree(ok, f"{impl} {op} prepared"):
-                try:
-                    samples[key] = _measure(ctx, fn, mode)
-                except Exception as exc:
-                    ok, note = False, f"{mode}: {type(exc).__name__}: {exc}".splitlines()[0]
-                    _recover(ctx)
-                if not ctx.agree(ok, f"{impl} {op} measured"):
-                    ok = False
-                    note = note or "failed on another rank"
-                    if mode == "graph":
-                        broken_modes["graph"] = f"graph capture failed earlier: {note}"
-            else:
-                ok, note = False, note or "failed on another rank"
-            info[key] = _info("ok" if ok else "failed", note, verified, runner.resolved)
+            status, note, verified, step = _bench_point(ctx, runner, key, samples)
+            ctx.keep = None
+            if status == "failed" and step == "graph":
+                broken_modes["graph"] = f"graph capture failed earlier: {note}"
+            info[key] = _info(status, note, verified, runner.resolved)
             samples.setdefault(key, [])
             if bar is not None:
                 bar.update()
     finally:
         ctx.sync()
         runner.close()
+
+
+def _bench_point(
+    ctx: _RankCtx,
+    runner: _Runner,
+    key: tuple[Any, ...],
+    samples: dict[tuple[Any, ...], list[float]],
+) -> tuple[str, str, bool | None, str]:
+    """Measure one point: set up (prepare, bit-exact check, warm-up), build (eager
+    call or captured graph), time. Each step ends with an agreement of all ranks,
+    so every rank takes the same branch even when one fails.
+
+    Returns
+    -------
+    (status, note, verified, failed step)
+        ``status`` is ``ok`` or ``failed``; ``verified`` None when not checked.
+    """
+    _impl, op, dtype, pad_bs, mode = key
+    cfg = ctx.cfg
+    verified: bool | None = None
+    note = ""
+    fn: Callable[[], Any] = _noop
+    body: Callable[[], Any] = _noop
+    calls = 1
+    for step in ("setup", mode, "timing"):
+        error = ""
+        try:
+            if step == "setup":
+                fn, check = runner.prepare(op, dtype, pad_bs)
+                if check is not None and cfg.verify:
+                    diff = check()
+                    verified = not diff
+                    note = f"WRONG RESULT: {diff}" if diff else ""
+                for _ in range(cfg.warmup):
+                    fn()
+                ctx.sync()
+            elif step == "timing":
+                samples[key] = _time(ctx, body, calls)
+            else:
+                body, calls = _build(ctx, fn, mode)
+        except Exception as exc:
+            error = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0]
+            _recover(ctx)
+        if not ctx.agree(not error, f"{key} {step}"):
+            return "failed", error or f"{step} failed on another rank", verified, step
+    return "ok", note, verified, ""
+
+
+def _noop() -> None:
+    return None
 
 
 def _recover(ctx: _RankCtx) -> None:

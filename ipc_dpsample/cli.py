@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import __version__
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "launcher_variables", "main"]
 
 #: Variables a launcher sets per rank (see :mod:`ipc_dpsample.launch`).
 _LAUNCHER_VARS = (
@@ -45,7 +45,20 @@ _LAUNCHER_VARS = (
     "SLURM_PROCID",
     "SLURM_NTASKS",
     "SLURM_LOCALID",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
 )
+#: torchrun's agent variables: with ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited,
+#: the ranks this tool spawns would wait for a store that nobody serves.
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+
+
+def launcher_variables(env: Mapping[str, str]) -> list[str]:
+    """Names in ``env`` that a launcher (torchrun, mpirun, srun) set per rank."""
+    return [k for k in env if k in _LAUNCHER_VARS or k.startswith(_LAUNCHER_PREFIXES)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +100,8 @@ def _detach_from_launcher() -> str | None:
             f"launched as rank {world[0]} of {world[1]} (torchrun/mpirun/srun); "
             "run it directly: python -m ipc_dpsample ..."
         )
-    for name in _LAUNCHER_VARS:
-        os.environ.pop(name, None)
+    for name in launcher_variables(os.environ):
+        del os.environ[name]
     return None
 
 

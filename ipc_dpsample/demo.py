@@ -264,15 +264,13 @@ def plan_demo(
         world = world_size or DEFAULT_CPU_RANKS
         why = "--cpu given" if cpu else "no CUDA GPU found"
         return _sized(
-            DemoPlan(
-                world=world,
-                launch="processes",
-                device="cpu",
-                backend=backend,
-                iters=iters,
-                note=f"{world} processes over gloo on the CPU ({why})",
-            ),
-            CPU_SHAPE,
+            world=world,
+            launch="processes",
+            device="cpu",
+            backend=backend,
+            iters=iters,
+            note=f"{world} processes over gloo on the CPU ({why})",
+            shape=CPU_SHAPE,
         )
     if gpus >= 2:
         world = world_size or gpus
@@ -282,29 +280,25 @@ def plan_demo(
                 f"(use --world-size <= {gpus}, or --cpu for more CPU ranks)"
             )
         return _sized(
-            DemoPlan(
-                world=world,
-                launch="processes",
-                device="cuda",
-                backend=backend,
-                iters=iters,
-                note=f"{world} processes, one per GPU",
-            ),
-            GPU_SHAPE,
+            world=world,
+            launch="processes",
+            device="cuda",
+            backend=backend,
+            iters=iters,
+            note=f"{world} processes, one per GPU",
+            shape=GPU_SHAPE,
         )
     threads_ok = backend in ("auto", "onesided") and machine.onesided and machine.cupy_gpus > 0
     if threads_ok:
         world = world_size or DEFAULT_THREAD_RANKS
         return _sized(
-            DemoPlan(
-                world=world,
-                launch="threads",
-                device="cuda",
-                backend=backend,
-                iters=iters,
-                note=f"{world} ranks as threads of one process on the one GPU",
-            ),
-            GPU_SHAPE,
+            world=world,
+            launch="threads",
+            device="cuda",
+            backend=backend,
+            iters=iters,
+            note=f"{world} ranks as threads of one process on the one GPU",
+            shape=GPU_SHAPE,
         )
     if backend in ("auto", "onesided") and not machine.onesided:
         why = f"the one-sided backend does not import ({machine.onesided_error})"
@@ -318,28 +312,25 @@ def plan_demo(
             f"one-sided backend, but {why}; use --world-size 1 or --cpu"
         )
     return _sized(
-        DemoPlan(
-            world=1,
-            launch="processes",
-            device="cuda",
-            backend=backend,
-            iters=iters,
-            note=f"1 rank on the one GPU ({why})",
-        ),
-        GPU_SHAPE,
+        world=1,
+        launch="processes",
+        device="cuda",
+        backend=backend,
+        iters=iters,
+        note=f"1 rank on the one GPU ({why})",
+        shape=GPU_SHAPE,
     )
 
 
-def _sized(plan: DemoPlan, shape: dict[str, Any]) -> DemoPlan:
-    """``plan`` with ``shape``, ``pad_bs`` and ``V`` rounded up to multiples of the world."""
-    from dataclasses import replace
-
-    return replace(
-        plan,
-        pad_bs=_round_up(int(shape["pad_bs"]), plan.world),
+def _sized(*, shape: dict[str, Any], **fields: Any) -> DemoPlan:
+    """A plan with ``shape``, ``pad_bs`` and ``V`` rounded up to multiples of the world."""
+    world = int(fields["world"])
+    return DemoPlan(
+        pad_bs=_round_up(int(shape["pad_bs"]), world),
         num_tokens=int(shape["num_tokens"]),
-        vocab=_round_up(int(shape["vocab"]), plan.world),
+        vocab=_round_up(int(shape["vocab"]), world),
         dtype=str(shape["dtype"]),
+        **fields,
     )
 
 
