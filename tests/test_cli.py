@@ -1,0 +1,789 @@
+"""The command-line tools: argument parsing, pure planning and verdict logic, the
+doctor's JSON schema, the bench's statistics and writers, and end-to-end runs of
+``python -m ipc_dpsample demo|doctor|bench`` as subprocesses on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ipc_dpsample import bench, cli, demo, doctor
+from ipc_dpsample.layout import reference_swap_batch_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_BOX = demo.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
+ONE_GPU = demo.Machine(torch_gpus=1, cupy_gpus=1, onesided=True, nccl_backend=True, cupy_nccl=True)
+ONE_GPU_NO_ONESIDED = demo.Machine(
+    torch_gpus=1, cupy_gpus=1, onesided_error="ImportError: no kernels", cupy_nccl=True
+)
+EIGHT_GPUS = demo.Machine(
+    torch_gpus=8, cupy_gpus=8, onesided=True, nccl_backend=True, cupy_nccl=True
+)
+
+
+# -- helpers ------------------------------------------------------------------------
+def _launcher_rank() -> int | None:
+    from ipc_dpsample.launch import launched_world
+
+    world = launched_world()
+    return None if world is None or world[1] == 1 else world[0]
+
+
+def _run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m ipc_dpsample ARGS`` in a clean environment (no launcher
+    variables, the repository first on ``PYTHONPATH``)."""
+    rank = _launcher_rank()
+    if rank not in (None, 0):
+        pytest.skip(f"end-to-end CLI runs on launcher rank 0 only (this is rank {rank})")
+    drop = set(cli.launcher_variables(os.environ))
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.pop("IPC_DPSAMPLE_BACKEND", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "ipc_dpsample", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+        check=False,
+    )
+
+
+def _assert_png_has_content(path: Path) -> None:
+    """The PNG decodes, has pixels, and is not one flat color."""
+    from matplotlib.image import imread
+
+    img = imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, img.shape
+    rgb = img[..., :3].reshape(-1, 3)
+    colors = np.unique((rgb * 255).astype(np.uint8), axis=0)
+    assert len(colors) > 20, f"only {len(colors)} colors: a blank image"
+    dark = np.mean(rgb.mean(axis=1) < 0.5)
+    assert dark > 0.002, f"only {dark:.4%} dark pixels: nothing is drawn"
+
+
+# -- cli ------------------------------------------------------------------------------
+def test_parser_knows_every_subcommand() -> None:
+    p = cli.build_parser()
+    ns = p.parse_args(["demo", "--world-size", "3", "--backend", "torch", "--iters", "5"])
+    assert (ns.command, ns.world_size, ns.backend, ns.iters, ns.cpu) == (
+        "demo",
+        3,
+        "torch",
+        5,
+        False,
+    )
+    assert ns.func is demo.run
+    ns = p.parse_args(["doctor", "--json"])
+    assert ns.json is True and ns.func is doctor.run
+    ns = p.parse_args(["bench", "--pad-bs", "8,64", "--dtype", "bf16", "--tp", "2"])
+    assert (ns.pad_bs, ns.dtype, ns.tp) == ((8, 64), ("bfloat16",), (2,))
+    assert ns.func is bench.run
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["demo", "--backend", "mpi"],
+        ["bench", "--backends", "auto,foo"],
+        ["bench", "--pad-bs", "8,x"],
+        ["bench", "--dtype", "int32"],
+        ["bench", "--mode", "lazy"],
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_refuses_to_run_as_one_rank_of_a_launched_world(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in cli._LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["doctor"]) == 2
+    assert "launched as rank 1 of 2" in capsys.readouterr().err
+
+
+def test_a_launcher_world_of_one_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in cli._LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert cli._detach_from_launcher() is None
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_USE_AGENT_STORE"):
+        assert name not in os.environ
+
+
+# -- demo planning and checking -------------------------------------------------------
+def test_plan_demo_per_machine() -> None:
+    plan = demo.plan_demo(CPU_BOX)
+    assert (plan.world, plan.launch, plan.device) == (4, "processes", "cpu")
+    assert (plan.vocab, plan.dtype, plan.pad_bs) == (32000, "float32", 16)
+    plan = demo.plan_demo(ONE_GPU)
+    assert (plan.world, plan.launch, plan.device, plan.dtype) == (4, "threads", "cuda", "bfloat16")
+    assert (plan.pad_bs, plan.num_tokens, plan.vocab) == (64, 4, 152064)
+    plan = demo.plan_demo(ONE_GPU_NO_ONESIDED)
+    assert (plan.world, plan.launch) == (1, "processes")
+    assert "no kernels" in plan.note
+    plan = demo.plan_demo(ONE_GPU, backend="torch")
+    assert (plan.world, plan.launch) == (1, "processes")
+    plan = demo.plan_demo(EIGHT_GPUS)
+    assert (plan.world, plan.launch, plan.device) == (8, "processes", "cuda")
+    plan = demo.plan_demo(EIGHT_GPUS, cpu=True, world_size=2)
+    assert (plan.world, plan.device) == (2, "cpu")
+
+
+def test_plan_demo_rounds_shapes_up_to_the_world() -> None:
+    plan = demo.plan_demo(CPU_BOX, world_size=3)
+    assert plan.pad_bs % 3 == 0 and plan.vocab % 3 == 0
+    assert plan.pad_bs >= 16 and plan.vocab >= 32000
+    plan = demo.plan_demo(EIGHT_GPUS, world_size=5)
+    assert (plan.pad_bs, plan.vocab) == (65, 152065)
+
+
+def test_plan_demo_rejects_what_the_machine_cannot_place() -> None:
+    with pytest.raises(ValueError, match="one process per GPU"):
+        demo.plan_demo(EIGHT_GPUS, world_size=9)
+    with pytest.raises(ValueError, match="one-sided backend"):
+        demo.plan_demo(ONE_GPU_NO_ONESIDED, world_size=4)
+    with pytest.raises(ValueError, match=">= 1"):
+        demo.plan_demo(CPU_BOX, world_size=0)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        demo.DemoPlan(world=4, launch="processes", device="cpu", pad_bs=6)
+
+
+def test_bits_equal_is_bit_exact() -> None:
+    a = np.array([1.0, -0.0, np.nan], dtype=np.float32)
+    assert demo.bits_equal(a, a.copy()) == ""
+    assert "1 of 3 elements differ" in demo.bits_equal(a, np.array([1.0, 0.0, np.nan], np.float32))
+    assert "shape" in demo.bits_equal(a, a[:2])
+    b = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    c = b.copy()
+    c[1, 2] ^= 1
+    msg = demo.bits_equal(c, b)
+    assert "first at (1, 2)" in msg and "got 0x4" in msg and "expected 0x5" in msg
+
+
+def test_make_round_is_seeded_random_and_matches_the_reference() -> None:
+    plan = demo.DemoPlan(
+        world=3, launch="processes", device="cpu", pad_bs=6, num_tokens=2, vocab=30,
+        dtype="bfloat16", iters=1,
+    )  # fmt: skip
+    full = demo.make_round(plan, 0)
+    mine = demo.make_round(plan, 0, [2])[0]
+    assert demo.bits_equal(mine.logits, full[2].logits) == ""
+    assert demo.bits_equal(mine.expect_swap, full[2].expect_swap) == ""
+    other = demo.make_round(plan, 1, [2])[0]
+    assert demo.bits_equal(other.logits, mine.logits) != ""
+    for d in full:
+        assert d.logits.dtype == np.uint16 and d.logits.shape == (12, 10)
+        assert np.count_nonzero(d.logits) > 0.95 * d.logits.size
+        assert np.all(d.accept_length >= 1) and np.all(d.logprobs < 0)
+    expected = reference_swap_batch_vocab(
+        [d.logits for d in full], tp=3, num_tokens_per_req=2, pad_bs=6
+    )
+    for r in range(3):
+        assert demo.bits_equal(full[r].expect_swap, expected[r]) == ""
+
+
+def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[str, Any]]:
+    out = []
+    for r in range(plan.world):
+        ops = {
+            op: {
+                "times_s": [1e-3 * (1 + i + r) for i in range(plan.iters)],
+                "checks": 4,
+                "mismatches": ["logprobs: 1 of 8 elements differ"]
+                if r == bad_rank and op == "gather_verify_logprobs"
+                else [],
+            }
+            for op in demo.OPS
+        }
+        out.append(
+            {"rank": r, "backend": "torch", "explain": "torch: test", "device": "cpu", "ops": ops}
+        )
+    return out
+
+
+def test_demo_report_and_exit_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = demo.DemoPlan(world=2, launch="processes", device="cpu", iters=5, note="test")
+    good = _fake_demo_results(plan, None)
+    assert demo.slowest_rank_times(good, "swap_batch_vocab") == [2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
+    table = demo.format_report(plan, good)
+    assert "4.00 ms" in table  # median of the slowest rank
+    assert table.count("yes (8 outputs)") == 3
+    bad = _fake_demo_results(plan, 1)
+    assert demo.mismatches(bad) == [
+        "rank 1 gather_verify_logprobs: logprobs: 1 of 8 elements differ"
+    ]
+    assert "NO (1/8 wrong)" in demo.format_report(plan, bad)
+
+    ns = cli.build_parser().parse_args(["demo", "--cpu", "--world-size", "2", "--iters", "5"])
+    monkeypatch.setattr(demo, "run_demo", lambda p, **kw: _fake_demo_results(p, 0))
+    assert demo.run(ns) == 1
+    assert "FAILED: 1 outputs differ" in capsys.readouterr().out
+    monkeypatch.setattr(demo, "run_demo", lambda p, **kw: _fake_demo_results(p, None))
+    assert demo.run(ns) == 0
+
+    from ipc_dpsample.testing import RankFailure
+
+    def fail(p: demo.DemoPlan, **kw: Any) -> Any:
+        raise RankFailure("--- rank 1 failed ---\nboom")
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    assert demo.run(ns) == 1
+    assert "boom" in capsys.readouterr().err
+
+
+# -- doctor: schema, hazards, selection, verdict -------------------------------------
+def _gpu_report(n: int = 2) -> dict[str, Any]:
+    """A well-formed report of a healthy n-GPU box."""
+    pairs = [
+        {"a": a, "b": b, "driver": None if a == b else True, "verified": True, "detail": "",
+         "seconds": 1.5}
+        for a in range(n) for b in range(a, n)
+    ]  # fmt: skip
+    report: dict[str, Any] = {
+        "schema_version": doctor.SCHEMA_VERSION,
+        "tool": doctor.TOOL,
+        "generated_at": "2026-12-02T00:00:00+00:00",
+        "verdict": {"ok": False, "level": "unhealthy", "text": ""},
+        "host": {
+            "hostname": "box", "platform": "Linux", "cpu_count": 16, "boot_id": "b",
+            "shm_bytes": 64 << 30, "container": True,
+        },
+        "versions": dict.fromkeys(doctor.VERSION_KEYS, "1.0"),
+        "gpus": {
+            "torch_count": n,
+            "cupy_count": n,
+            "devices": [
+                {"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{i}", "compute_capability": "9.0",
+                 "memory_bytes": 150 << 30, "pci_bus_id": None}
+                for i in range(n)
+            ],
+            "error": None,
+        },
+        "p2p": {
+            "driver": [[None if a == b else True for b in range(n)] for a in range(n)],
+            "verified": [[True] * n for _ in range(n)],
+            "pairs": pairs,
+            "skipped": None,
+        },
+        "topology": {"source": "none", "gpus": [], "pairs": [], "text": None, "detail": "x"},
+        "hazards": [],
+        "backends": {
+            "onesided": {"importable": True, "error": ""},
+            "nccl": {"importable": True, "error": ""},
+        },
+        "selftests": [
+            {"name": "torch-cpu-gloo", "backend": "torch", "resolved": "torch", "device": "cpu",
+             "ranks": 2, "launch": "processes", "status": "passed", "detail": "", "seconds": 1.0},
+            {"name": "onesided-threads", "backend": "onesided", "resolved": "onesided",
+             "device": "cuda", "ranks": 4, "launch": "threads", "status": "passed", "detail": "",
+             "seconds": 2.0},
+        ],
+    }  # fmt: skip
+    report["selection"] = doctor.collect_selection(report, {})
+    return report
+
+
+def _cpu_report() -> dict[str, Any]:
+    r = _gpu_report(0)
+    r["gpus"]["error"] = "CuPy: CUDARuntimeError: no GPU"
+    r["p2p"]["skipped"] = "no GPU CuPy can drive"
+    r["selftests"] = r["selftests"][:1]
+    r["selection"] = doctor.collect_selection(r, {})
+    return r
+
+
+def _finish(report: dict[str, Any]) -> dict[str, Any]:
+    ok, text = doctor.verdict(report)
+    report["verdict"] = {"ok": ok, "level": doctor._level(ok, report), "text": text}
+    return report
+
+
+def test_schema_is_valid_json_schema_and_reports_validate() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(doctor.SCHEMA)
+    for report in (_finish(_gpu_report()), _finish(_cpu_report())):
+        assert doctor.validate(report) == []
+        jsonschema.validate(report, doctor.SCHEMA)
+        json.loads(json.dumps(report))  # serialisable as is
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda r: r.pop("hazards"), "missing key 'hazards'"),
+        (lambda r: r.update(extra=1), "unexpected key 'extra'"),
+        (lambda r: r["verdict"].update(level="fine"), "not in"),
+        (lambda r: r["gpus"].update(torch_count=True), "is not integer"),
+        (lambda r: r["gpus"].update(cupy_count=-1), "< minimum 0"),
+        (lambda r: r.update(schema_version=2), "!= const 1"),
+        (lambda r: r["selftests"][0].update(status="ok"), "not in"),
+        (lambda r: r["p2p"]["driver"][0].append("yes"), "is not boolean/null"),
+    ],
+)
+def test_validate_reports_what_is_wrong(mutate: Any, message: str) -> None:
+    report = _finish(_gpu_report())
+    mutate(report)
+    errors = doctor.validate(report)
+    assert errors and any(message in e for e in errors), errors
+
+
+def test_verdict_cpu_box() -> None:
+    ok, text = doctor.verdict(_cpu_report())
+    assert ok and text.startswith("HEALTHY (CPU path)")
+    r = _cpu_report()
+    r["selftests"][0]["status"] = "failed"
+    ok, text = doctor.verdict(r)
+    assert not ok and "self-test torch-cpu-gloo failed" in text
+    r["selftests"][0]["status"] = "skipped"
+    ok, text = doctor.verdict(r)
+    assert not ok and "did not pass" in text
+    r = _cpu_report()
+    r["hazards"] = [{"id": "x", "severity": "warning", "message": "m", "fix": "f"}]
+    ok, text = doctor.verdict(r)
+    assert ok and "(1 warning)" in text
+
+
+def test_verdict_gpu_box() -> None:
+    ok, text = doctor.verdict(_gpu_report())
+    assert ok
+    assert text == (
+        "HEALTHY: 2 GPUs, CUDA IPC verified on 3/3 pairs, auto chooses onesided, "
+        "2/2 self-tests passed"
+    )
+    r = _gpu_report()
+    r["hazards"].append({"id": "ipc", "severity": "error", "message": "IPC broke", "fix": "f"})
+    assert doctor.verdict(r) == (False, "UNHEALTHY: IPC broke")
+    r = _gpu_report()
+    r["selftests"][1]["status"] = "skipped"
+    ok, text = doctor.verdict(r)
+    assert not ok and "no GPU self-test passed" in text
+    r = _gpu_report()
+    r["selection"]["backend"] = None
+    r["selection"]["reason"] = "nothing works"
+    ok, text = doctor.verdict(r)
+    assert not ok and "no backend can run (nothing works)" in text
+
+
+def test_hazards() -> None:
+    gpus = _gpu_report()["gpus"]
+    p2p = copy.deepcopy(_gpu_report()["p2p"])
+    backends = _gpu_report()["backends"]
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True",
+        "NCCL_P2P_DISABLE": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+    }
+    found = doctor.find_hazards(env=env, shm=64 << 20, gpus=gpus, p2p=p2p, backends=backends)
+    by_id = {h["id"]: h for h in found}
+    assert by_id["expandable-segments"]["severity"] == "warning"
+    assert by_id["nccl-p2p-disable"]["severity"] == "warning"
+    assert "64 MiB" in by_id["small-dev-shm"]["message"]
+    assert "--ipc=host" in by_id["small-dev-shm"]["fix"]
+    assert by_id["cuda-visible-devices"]["severity"] == "info"
+    assert not any(h["severity"] == "error" for h in found)
+    assert doctor.find_hazards(env={}, shm=64 << 30, gpus=gpus, p2p=p2p, backends=backends) == []
+
+    p2p["pairs"][1].update(verified=False, detail="cudaIpcOpenMemHandle failed")
+    found = doctor.find_hazards(env={}, shm=None, gpus=gpus, p2p=p2p, backends=backends)
+    by_id = {h["id"]: h for h in found}
+    assert by_id["ipc-failed-0-1"]["severity"] == "error"
+    assert "cudaIpcOpenMemHandle failed" in by_id["ipc-failed-0-1"]["message"]
+    assert "no-dev-shm" in by_id
+    p2p["pairs"][1]["driver"] = False  # no P2P by design: IPC failing is expected
+    found = doctor.find_hazards(env={}, shm=None, gpus=gpus, p2p=p2p, backends=backends)
+    assert {h["id"]: h["severity"] for h in found}["ipc-failed-0-1"] == "warning"
+
+    no_cupy = dict(gpus, cupy_count=0, error="CuPy: cudaErrorInsufficientDriver")
+    found = doctor.find_hazards(
+        env={}, shm=1 << 40, gpus=no_cupy, p2p={"pairs": []},
+        backends={"onesided": {"importable": False, "error": "ImportError: x"},
+                  "nccl": {"importable": True, "error": ""}},
+    )  # fmt: skip
+    by_id = {h["id"]: h for h in found}
+    assert by_id["cupy-no-gpu"]["severity"] == "error"
+    assert "cudaErrorInsufficientDriver" in by_id["cupy-no-gpu"]["message"]
+    assert "ImportError: x" in by_id["onesided-unavailable"]["message"]
+
+
+def test_selection_from_gathered_facts() -> None:
+    r = _gpu_report()
+    assert r["selection"]["backend"] == "onesided"
+    assert r["selection"]["facts"]["tp_size"] == 2
+    sel = doctor.collect_selection(r, {"NCCL_P2P_DISABLE": "1"})
+    assert sel["backend"] == "nccl" and "NCCL_P2P_DISABLE" in sel["reason"]
+    r["p2p"]["pairs"][1].update(verified=False, detail="GPU 1 at read-back: wrong")
+    sel = doctor.collect_selection(r, {})
+    assert sel["backend"] == "nccl" and "read-back" in sel["reason"]
+    r = _gpu_report()
+    r["p2p"]["driver"][0][1] = False
+    sel = doctor.collect_selection(r, {})
+    assert sel["backend"] == "nccl" and "GPU 0 -> GPU 1" in sel["reason"]
+    r = _gpu_report()
+    r["backends"]["onesided"] = {"importable": False, "error": "ImportError: y"}
+    sel = doctor.collect_selection(r, {"IPC_DPSAMPLE_BACKEND": "bogus"})
+    assert (
+        sel["requested"] == "auto" and "invalid" in sel["note"] and "ImportError: y" in sel["note"]
+    )
+    assert doctor.collect_selection(_cpu_report(), {})["backend"] == "torch"
+    sel = doctor.collect_selection(_cpu_report(), {"IPC_DPSAMPLE_BACKEND": "onesided"})
+    assert sel["backend"] is None and "cannot run" in sel["reason"]
+
+
+def test_plan_selftests_per_machine() -> None:
+    assert [t.name for t in doctor.plan_selftests(CPU_BOX)] == ["torch-cpu-gloo"]
+    tests = {t.name: t for t in doctor.plan_selftests(ONE_GPU_NO_ONESIDED)}
+    assert list(tests) == ["torch-cpu-gloo", "onesided-threads", "nccl-tp1", "torch-cuda"]
+    assert tests["onesided-threads"].plan is None and "no kernels" in tests["onesided-threads"].skip
+    assert tests["torch-cuda"].ranks == 1
+    tests = {t.name: t for t in doctor.plan_selftests(EIGHT_GPUS)}
+    assert tests["auto-all-gpus"].ranks == 8 and tests["onesided-threads"].plan is not None
+    skipped = doctor.run_selftest(doctor.plan_selftests(ONE_GPU_NO_ONESIDED)[1])
+    assert (
+        skipped["status"] == "skipped"
+        and doctor.validate(skipped, doctor.SCHEMA["properties"]["selftests"]["items"]) == []
+    )
+
+
+def test_version_formatting() -> None:
+    assert doctor.nccl_version_string(22805) == "2.28.5"
+    assert doctor.nccl_version_string(2708) == "2.7.8"
+    assert doctor._cuda_version(12090) == "12.9"
+    assert doctor._cuda_version(13000) == "13.0"
+    assert doctor._cuda_version(0) is None
+
+
+def test_human_output_puts_the_verdict_first() -> None:
+    r = _gpu_report()
+    r["p2p"]["pairs"][1].update(verified=False, detail="broken pair")
+    r["p2p"]["verified"][0][1] = r["p2p"]["verified"][1][0] = False
+    r["hazards"] = doctor.find_hazards(
+        env={}, shm=64 << 30, gpus=r["gpus"], p2p=r["p2p"], backends=r["backends"]
+    )
+    text = doctor.format_human(_finish(r))
+    first = text.splitlines()[0]
+    assert first.startswith("ipc-dpsample doctor: UNHEALTHY") and "broken pair" in first
+    assert "yes/NO" in text and "-/yes" in text
+    assert "[error]" in text
+
+
+# -- bench: parsing, planning, statistics, rows, writers -----------------------------
+def test_bench_list_parsers() -> None:
+    assert bench.parse_int_list("8,64,256") == (8, 64, 256)
+    assert bench.parse_dtype_list("bf16,fp32,bfloat16") == ("bfloat16", "float32")
+    assert bench.choice_list(bench.MODES)("graph,eager") == ("graph", "eager")
+    for parse, text in (
+        (bench.parse_int_list, "8,a"),
+        (bench.parse_int_list, ","),
+        (bench.parse_dtype_list, "int32"),
+        (bench.parse_dtype_list, "fp8"),
+        (bench.choice_list(bench.MODES), "eager,lazy"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_bench_config_from_args() -> None:
+    p = cli.build_parser()
+    gpu = bench.config_from_args(p.parse_args(["bench"]), gpu_machine=True)
+    assert (gpu.pad_bs, gpu.vocab, gpu.dtypes, gpu.tp) == (
+        (8, 64, 256), 152064, ("bfloat16", "float32"), (2, 4, 8)
+    )  # fmt: skip
+    assert (gpu.backends, gpu.modes, gpu.iters, gpu.warmup) == (
+        ("auto", "onesided", "nccl", "torch"), ("eager", "graph"), 50, 10
+    )  # fmt: skip
+    assert gpu.out.startswith("ipc-dpsample-bench-") and gpu.verify
+    cpu = bench.config_from_args(p.parse_args(["bench"]), gpu_machine=False)
+    assert (cpu.vocab, cpu.dtypes) == (32000, ("float32",))
+    assert bench.config_from_args(p.parse_args(["bench", "--cpu"]), gpu_machine=True).vocab == 32000
+    ns = p.parse_args(
+        ["bench", "--pad-bs", "4", "--vocab", "1000", "--dtype", "fp16", "--tp", "2",
+         "--backends", "torch", "--mode", "eager", "--iters", "3", "--warmup", "0",
+         "--out", "x", "--no-verify", "--ops", "gather_verify_logprobs"]
+    )  # fmt: skip
+    cfg = bench.config_from_args(ns, gpu_machine=True)
+    assert (cfg.pad_bs, cfg.vocab, cfg.dtypes, cfg.tp, cfg.backends) == (
+        (4,), 1000, ("float16",), (2,), ("torch",)
+    )  # fmt: skip
+    assert (cfg.iters, cfg.warmup, cfg.out, cfg.verify, cfg.ops) == (
+        3, 0, "x", False, ("gather_verify_logprobs",)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="iters=0"):
+        bench.BenchConfig(iters=0)
+    with pytest.raises(ValueError, match="pad_bs values"):
+        bench.BenchConfig(pad_bs=(0, 8))
+    with pytest.raises(ValueError, match="backends"):
+        bench.BenchConfig(backends=("mpi",))
+
+
+def test_plan_launches() -> None:
+    cfg = bench.BenchConfig(pad_bs=(6, 8, 64), tp=(2, 4, 8), vocab=152064)
+    plans = {lp.tp: lp for lp in bench.plan_launches(cfg, EIGHT_GPUS)}
+    assert all(lp.launch == "processes" and lp.device == "cuda" for lp in plans.values())
+    assert plans[2].pad_bs == (6, 8, 64) and plans[4].pad_bs == (8, 64)
+    assert plans[8].impls == (
+        "auto", "onesided", "nccl", "torch", "copy", "nccl_cupy", "torch_dist"
+    )  # fmt: skip
+
+    plans = {lp.tp: lp for lp in bench.plan_launches(cfg, ONE_GPU)}
+    lp = plans[8]
+    assert (lp.launch, lp.device, lp.reason) == ("threads", "cuda", "")
+    assert lp.impls == ("auto", "onesided", "copy")
+    assert {name for name, _ in lp.skipped} == {"nccl", "torch", "nccl_cupy", "torch_dist"}
+    assert "NCCL refuses two ranks on one GPU" in dict(lp.skipped)["nccl"]
+
+    lp = bench.plan_launches(cfg, ONE_GPU_NO_ONESIDED)[0]
+    assert "one-sided backend" in lp.reason and "no kernels" in lp.reason
+
+    cpu = bench.plan_launches(cfg, CPU_BOX)[0]
+    assert (cpu.launch, cpu.device, cpu.modes) == ("processes", "cpu", ("eager",))
+    assert cpu.impls == ("auto", "torch", "copy", "torch_dist")
+    assert dict(cpu.skipped)["graph"].startswith("CUDA graphs need CUDA")
+
+    odd = bench.plan_launches(bench.BenchConfig(vocab=1001, tp=(2,)), EIGHT_GPUS)[0]
+    assert "vocab=1001 is not a multiple of tp=2" in odd.reason
+    none = bench.plan_launches(bench.BenchConfig(pad_bs=(6,), tp=(4,)), EIGHT_GPUS)[0]
+    assert "no pad_bs" in none.reason
+
+
+def test_points_sweep_dtypes_only_for_the_swap() -> None:
+    cfg = bench.BenchConfig(pad_bs=(8, 16), dtypes=("bfloat16", "float32"), modes=("eager",))
+    lp = bench.plan_launches(cfg, EIGHT_GPUS)[0]
+    pts = bench.points(cfg, lp)
+    assert len(pts) == 2 * 2 + 2 + 2
+    assert ("gather_verify_outputs", "int32", 8, "eager") in pts
+    assert ("gather_verify_logprobs", "float32", 16, "eager") in pts
+    assert bench.op_bytes("swap_batch_vocab", "bfloat16", 64, 8, 4, 152064) == 8 * 4 * 152064 * 2
+    assert bench.op_bytes("gather_verify_outputs", "int32", 64, 8, 4, 152064) == 64 * 9 * 4
+
+
+def test_summarize() -> None:
+    s = bench.summarize([float(v) for v in range(1, 11)])
+    assert s["n"] == 10 and s["median"] == 5.5 and s["min"] == 1.0 and s["max"] == 10.0
+    assert s["p10"] == pytest.approx(1.9) and s["p90"] == pytest.approx(9.1)
+    assert s["mean"] == 5.5 and s["std"] == pytest.approx(np.std(np.arange(1, 11)))
+    assert bench.summarize([3.0])["p90"] == 3.0
+    with pytest.raises(ValueError, match="no samples"):
+        bench.summarize([])
+    with pytest.raises(ValueError, match="non-finite"):
+        bench.summarize([1.0, float("nan")])
+    assert bench.slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
+
+
+def _rows() -> list[dict[str, Any]]:
+    cfg = bench.BenchConfig(
+        pad_bs=(8, 64), dtypes=("bfloat16",), tp=(2,), modes=("eager",), backends=("onesided",),
+        baselines=("copy", "nccl_cupy"), ops=("swap_batch_vocab",), vocab=1024, num_tokens=2,
+    )  # fmt: skip
+    lp = bench.plan_launches(cfg, EIGHT_GPUS)[0]
+    speed = {"onesided": 2e-6, "copy": 1e-6, "nccl_cupy": 8e-6}
+
+    def rank(r: int) -> dict[str, Any]:
+        samples, info = {}, {}
+        for impl in lp.impls:
+            for op, dtype, pad_bs, mode in bench.points(cfg, lp):
+                key = (impl, op, dtype, pad_bs, mode)
+                base = speed[impl] * pad_bs
+                samples[key] = [base * (1 + 0.1 * i) * (1 + r) for i in range(5)]
+                info[key] = {"status": "ok", "note": "", "resolved": impl,
+                             "verified": True if impl == "onesided" else None}  # fmt: skip
+        return {"samples": samples, "info": info}
+
+    return bench.make_rows(cfg, lp, [rank(0), rank(1)])
+
+
+def test_make_rows_and_ratios() -> None:
+    rows = _rows()
+    assert {(r["impl"], r["pad_bs"]) for r in rows} == {
+        (i, p) for i in ("onesided", "copy", "nccl_cupy") for p in (8, 64)
+    }
+    one = next(r for r in rows if r["impl"] == "onesided" and r["pad_bs"] == 64)
+    # the slowest rank (rank 1, twice as slow) sets every sample; median of 5 = the 3rd
+    assert one["median_us"] == pytest.approx(2e-6 * 64 * 1.2 * 2 * 1e6)
+    assert one["bytes"] == 64 // 2 * 2 * 1024 * 2
+    assert one["algbw_gbps"] == pytest.approx(one["bytes"] / (one["median_us"] * 1e-6) / 1e9, 1e-3)
+    assert one["busbw_gbps"] == pytest.approx(one["algbw_gbps"] / 2, 1e-2)
+    assert one["vs_copy"] == pytest.approx(0.5) and one["vs_nccl_cupy"] == pytest.approx(4.0)
+    assert one["vs_torch_dist"] is None and one["verified"] is True and one["kind"] == "backend"
+    copy_row = next(r for r in rows if r["impl"] == "copy" and r["pad_bs"] == 8)
+    assert copy_row["kind"] == "baseline" and copy_row["vs_copy"] == 1.0
+    assert copy_row["busbw_gbps"] == copy_row["algbw_gbps"] and copy_row["verified"] is None
+
+
+def test_make_rows_skips_and_failures() -> None:
+    cfg = bench.BenchConfig(tp=(2,), pad_bs=(8,), modes=("eager",), ops=("swap_batch_vocab",))
+    lp = bench.plan_launches(cfg, ONE_GPU_NO_ONESIDED)[0]
+    rows = bench.make_rows(cfg, lp, None)
+    assert rows and all(r["status"] == "skipped" for r in rows)
+    lp = bench.plan_launches(cfg, CPU_BOX)[0]
+    info = {"status": "failed", "note": "setup: boom", "resolved": None, "verified": None}
+    results = [
+        {
+            "samples": {},
+            "info": {(i, *p): dict(info) for i in lp.impls for p in bench.points(cfg, lp)},
+        }
+        for _ in range(2)
+    ]
+    rows = bench.make_rows(cfg, lp, results)
+    by = {(r["impl"], r["status"]) for r in rows}
+    assert ("torch", "failed") in by and ("onesided", "skipped") in by
+    assert all(r["note"] for r in rows)
+
+
+def test_write_csv_and_json(tmp_path: Path) -> None:
+    rows = _rows()
+    path = bench.write_csv(rows, tmp_path / "b.csv")
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames or ()) == bench.COLUMNS
+        back = list(reader)
+    assert len(back) == len(rows)
+    assert float(back[0]["median_us"]) == rows[0]["median_us"]
+    assert back[0]["vs_torch_dist"] == ""  # None -> empty cell
+    meta = {"config": {"tp": [2]}, "host": "h"}
+    doc = json.loads(bench.write_json(rows, meta, tmp_path / "b.json").read_text())
+    assert (doc["schema"], doc["schema_version"], doc["meta"]) == ("ipc-dpsample-bench", 1, meta)
+    assert doc["columns"] == list(bench.COLUMNS) and doc["rows"] == rows
+
+
+def test_write_plot_draws_something(tmp_path: Path) -> None:
+    path = bench.write_plot(_rows(), tmp_path / "b.png")
+    assert path.stat().st_size > 0
+    _assert_png_has_content(path)
+    empty = bench.write_plot([], tmp_path / "empty.png")
+    _assert_png_has_content(empty)
+
+
+@pytest.mark.parametrize(("tp", "dtype"), [(1, "float32"), (2, "bfloat16"), (4, "float32")])
+def test_bench_check_data_matches_the_reference(tp: int, dtype: str) -> None:
+    """The bench's device-side expected swap equals the NumPy reference."""
+    import torch
+
+    pad_bs, n, vocab = 4 * tp, 3, 10 * tp
+    inputs = [bench.swap_input(7, s, tp, pad_bs, n, vocab, dtype, "cpu") for s in range(tp)]
+    ref = reference_swap_batch_vocab(
+        [demo.to_numpy(x) for x in inputs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
+    )
+    for r in range(tp):
+        exp = bench.swap_expected(7, r, tp, pad_bs, n, vocab, dtype, "cpu")
+        assert demo.bits_equal(demo.to_numpy(exp), ref[r]) == ""
+        assert bench._same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
+    assert np.count_nonzero(demo.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
+
+
+def test_bench_rank_in_process_agrees_on_failures() -> None:
+    """Two thread ranks on the CPU: the torch backend cannot start (a ThreadGroup has
+    no torch.distributed group) so every rank reports it skipped; the copy
+    baseline runs; a prepare that fails on one rank fails the point on both."""
+    from ipc_dpsample.testing import run_threads
+
+    cfg = bench.BenchConfig(
+        pad_bs=(4,), tp=(2,), vocab=64, num_tokens=2, dtypes=("float32",), modes=("eager",),
+        backends=("torch",), baselines=("copy",), iters=3, warmup=1,
+    )  # fmt: skip
+    lp = bench.LaunchPlan(2, "threads", "cpu", ("torch", "copy"), (), (4,), ("eager",))
+    results = run_threads(2, bench.bench_rank, lp, cfg, timeout_s=60)
+    rows = bench.make_rows(cfg, lp, results)
+    status = {(r["impl"], r["op"]): r["status"] for r in rows}
+    assert set(status.values()) >= {"ok", "skipped"}
+    assert status[("copy", "swap_batch_vocab")] == "ok"
+    torch_rows = [r for r in rows if r["impl"] == "torch"]
+    assert all(r["status"] == "skipped" for r in torch_rows)
+    assert "torch.distributed" in torch_rows[0]["note"] or "process" in torch_rows[0]["note"]
+
+    class Flaky(bench._Runner):
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def prepare(self, op: str, dtype: str, pad_bs: int) -> Any:
+            if self.rank == 1:
+                raise RuntimeError("no memory on rank 1")
+            return (lambda: None), None
+
+    def body(rank: int, world: int, group: Any) -> Any:
+        ctx = bench._RankCtx(rank, group, group, None, None, cfg, lp)
+        samples: dict[Any, Any] = {}
+        key = ("x", "swap_batch_vocab", "float32", 4, "eager")
+        first = bench._bench_point(ctx, Flaky(rank), key, samples)
+        second = bench._bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
+        return first, second, samples[key]
+
+    out = run_threads(2, body, timeout_s=60)
+    assert out[0][0][:2] == ("failed", "setup failed on another rank")
+    assert out[1][0][0] == "failed" and "no memory on rank 1" in out[1][0][1]
+    assert [o[1][0] for o in out] == ["ok", "ok"] and len(out[0][2]) == cfg.iters
+
+
+# -- end to end -------------------------------------------------------------------------
+def test_doctor_json_end_to_end() -> None:
+    proc = _run_cli("doctor", "--json", timeout=240)
+    report = json.loads(proc.stdout)
+    assert doctor.validate(report) == [], doctor.validate(report)
+    assert proc.returncode == (0 if report["verdict"]["ok"] else 1), proc.stderr[-2000:]
+    if report["gpus"]["torch_count"] == 0 and report["gpus"]["cupy_count"] == 0:
+        assert proc.returncode == 0, report["verdict"]["text"]
+        assert report["verdict"]["level"] == "healthy-cpu"
+        assert report["selection"]["backend"] == "torch"
+        assert report["selftests"][0]["status"] == "passed"
+
+
+def test_demo_end_to_end() -> None:
+    t0 = time.monotonic()
+    proc = _run_cli("demo", timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert elapsed < 60
+    out = proc.stdout
+    assert "OK: every output is bit-identical to the NumPy reference" in out
+    for op in demo.OPS:
+        assert op in out
+    assert "NO (" not in out
+
+
+def test_bench_cpu_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = _run_cli(
+        "bench", "--cpu", "--tp", "2", "--pad-bs", "4,8", "--vocab", "512", "--num-tokens", "2",
+        "--dtype", "fp32,bf16", "--iters", "4", "--warmup", "1", "--out", str(out), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with (out / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["impl"] for r in ok} == {"auto", "torch", "copy", "torch_dist"}
+    assert all(r["verified"] == "True" for r in ok if r["kind"] == "backend")
+    assert all(float(r["median_us"]) > 0 and float(r["p90_us"]) >= float(r["p10_us"]) for r in ok)
+    assert {r["impl"] for r in rows if r["status"] == "skipped"} == {
+        "onesided",
+        "nccl",
+        "nccl_cupy",
+    }
+    doc = json.loads((out / "bench.json").read_text())
+    assert len(doc["rows"]) == len(rows) and doc["meta"]["config"]["tp"] == [2]
+    _assert_png_has_content(out / "bench.png")
+    assert "wrote" in proc.stdout
