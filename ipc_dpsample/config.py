@@ -9,6 +9,7 @@ field differs.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ RECORD_MAGIC = b"IPCDPCF1"
 RECORD_VERSION = 1
 # magic, version, tp, rank, max_pad_bs, N, V, dtype, backend, device kind,
 # package version, pid, host id, boot id, GPU UUID
-_FMT = "<8sHiiiiqBBB16sq64s40s40s"
+_FMT = "<8sHiiiiqBBB32sq64s40s40s"
 RECORD_SIZE = struct.calcsize(_FMT)
 
 
@@ -131,7 +132,12 @@ class PeerRecord:
 
 
 def _enc(s: str, n: int) -> bytes:
-    raw = s.encode()[:n]
+    raw = s.encode()
+    if len(raw) > n:
+        # keep a readable prefix and a digest of the whole value, so two long values
+        # that differ only at the end still differ
+        digest = hashlib.sha256(raw).hexdigest().encode()
+        raw = raw[: n - 17] + b"#" + digest[:16]
     return raw
 
 
@@ -149,7 +155,7 @@ def pack_record(rec: PeerRecord) -> bytes:
         _DTYPE_CODES[rec.logits_dtype],
         BACKENDS.index(rec.backend),
         0 if rec.device_kind == "cpu" else 1,
-        _enc(rec.version, 16),
+        _enc(rec.version, 32),
         rec.pid,
         _enc(rec.host_id, 64),
         _enc(rec.boot_id, 40),
@@ -176,6 +182,23 @@ def unpack_record(raw: bytes) -> PeerRecord:
         )
     if f[7] not in _DTYPE_NAMES or f[8] >= len(BACKENDS) or f[9] > 1:
         raise DpSampleError(f"config record has invalid codes dtype={f[7]} backend={f[8]}")
+
+    tp, rank, max_pad_bs, n, vocab, pid = f[2], f[3], f[4], f[5], f[6], f[11]
+    problems = []
+    if tp < 1:
+        problems.append(f"tp_size={tp} < 1")
+    elif not 0 <= rank < tp:
+        problems.append(f"rank={rank} not in [0, {tp})")
+    if tp >= 1 and (max_pad_bs < tp or max_pad_bs % tp):
+        problems.append(f"max_pad_bs={max_pad_bs} not a positive multiple of tp_size={tp}")
+    if n < 1:
+        problems.append(f"num_tokens_per_req={n} < 1")
+    if tp >= 1 and (vocab < tp or vocab % tp):
+        problems.append(f"vocab_size={vocab} not a positive multiple of tp_size={tp}")
+    if pid <= 0:
+        problems.append(f"pid={pid} <= 0")
+    if problems:
+        raise DpSampleError("invalid config record from a peer: " + "; ".join(problems))
 
     def dec(b: bytes) -> str:
         return b.rstrip(b"\0").decode(errors="replace")

@@ -139,6 +139,7 @@ class _ThreadShared:
         self.cond = threading.Condition()
         self.slots: dict[int, dict[int, bytes]] = {}
         self.readers: dict[int, int] = {}
+        self.streams: dict[tuple[Any, int], int] = {}
 
 
 class ThreadGroup:
@@ -199,6 +200,25 @@ class ThreadGroup:
 
     def barrier(self, *, timeout_s: float, what: str) -> None:
         self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)
+
+    def claim_stream(self, owner: Any, stream: int) -> None:
+        """Record that this rank issues ``owner``'s ops on ``stream``.
+
+        Raises
+        ------
+        DpSampleError
+            Another rank of this group already issues ops on the same stream: two
+            ranks' kernels on one stream serialise, and each waits for the other.
+        """
+        sh = self._shared
+        with sh.cond:
+            holder = sh.streams.setdefault((owner, stream), self._rank)
+        if holder != self._rank:
+            raise DpSampleError(
+                f"rank {self._rank} issues ops on stream {stream:#x}, which rank {holder} of "
+                "the same thread group already uses: in-process ranks need one stream each "
+                "(e.g. torch.cuda.Stream() per thread; the legacy default stream is shared)"
+            )
 
 
 def resolve_group(group: Any) -> HostGroup:

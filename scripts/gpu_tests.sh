@@ -5,6 +5,8 @@ set -u
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+# in-process ranks spin in kernels on one GPU: give every stream its own hardware queue
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 status=0
 for spec in "$@"; do
   name=$(echo "$spec" | tr -c 'A-Za-z0-9_' '_' | cut -c1-60)

@@ -176,6 +176,9 @@ def _alternating_body(rank, tp, group, n_ops, delays, results):
                 if delays and rng.random() < 0.5:
                     torch.cuda._sleep(rng.randint(0, 300_000))  # slow consumer
                 snap = out.clone()
+                # every rank has launched op i before anyone blocks on the GPU: a host
+                # thread waiting in a sync must never be what keeps a peer from launching
+                group.barrier(timeout_s=60, what=f"op {i} launched")
                 if not torch.equal(snap, ref):
                     bad += 1
                     if first_bad is None:
@@ -304,6 +307,8 @@ def _cupy_graph_body(rank, tp, group):
     ):
         x = cupy.zeros((pad_bs * n, vs), dtype=cupy.float32)
         lp = cupy.zeros((r, n), dtype=cupy.float32)
+        y_snap = cupy.empty((r * n, vs * tp), dtype=cupy.float32)  # no allocation in capture
+        lp_snap = cupy.empty((pad_bs, n), dtype=cupy.float32)
         comm.swap_batch_vocab(x, pad_bs=pad_bs)
         comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
         stream.synchronize()
@@ -311,9 +316,9 @@ def _cupy_graph_body(rank, tp, group):
         with _capture_lock:
             stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeThreadLocal)
             y = comm.swap_batch_vocab(x, pad_bs=pad_bs)
-            y_snap = y.copy()
+            cupy.copyto(y_snap, y)
             olp = comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
-            lp_snap = olp.copy()
+            cupy.copyto(lp_snap, olp)
             graph = stream.end_capture()
         group.barrier(timeout_s=60, what="after capture")
         for it in range(8):
@@ -321,6 +326,8 @@ def _cupy_graph_body(rank, tp, group):
             *_, lps = all_verify(400 + it, tp, pad_bs, n)
             x.set(xs[rank].numpy(), stream=stream)
             lp.set(lps[rank].numpy(), stream=stream)
+            y_snap.fill(float("nan"))
+            lp_snap.fill(float("nan"))
             graph.launch(stream)
             stream.synchronize()
             comm.check()
@@ -534,6 +541,8 @@ def _lifecycle_body(rank, tp, group, cycles):
 
     torch.cuda.set_device(0)
     free = []
+    stream = torch.cuda.Stream()  # in-process ranks need one stream each
+    torch.cuda.set_stream(stream)
     for c in range(cycles + 1):
         comm = _comm(
             group,
@@ -546,7 +555,8 @@ def _lifecycle_body(rank, tp, group, cycles):
         )
         x = torch.randn(32 * tp, 1024, device="cuda").to(torch.bfloat16)
         comm.swap_batch_vocab(x, pad_bs=8 * tp)
-        torch.cuda.synchronize()
+        stream.synchronize()
+        comm.check()
         comm.close()
         comm.close()  # idempotent
         with pytest.raises(DpSampleError, match="closed"):

@@ -277,6 +277,9 @@ class OnesidedBackend(Backend):
         self._gather_plans: dict[tuple[int, int], tuple[int, ...]] = {}
         self._error: DpSampleError | None = None
         self._last_stream: int | None = None
+        # ranks that are threads of one process must not share a stream
+        self._claim_stream = getattr(group, "claim_stream", None) if cfg.tp_size > 1 else None
+        self._stream_owner = device
         with cupy.cuda.Device(device):
             self._event = cupy.cuda.Event(block=False, disable_timing=True)
         self._event_recorded = False
@@ -317,6 +320,8 @@ class OnesidedBackend(Backend):
         if capturing:
             self._graphed = True
         last = self._last_stream
+        if last != handle and self._claim_stream is not None:
+            self._claim_stream(self._stream_owner, handle)
         if last is not None and last != handle and self._event_recorded and not capturing:
             if not self._event.done:
                 raise DpSampleError(
