@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Benchmark of the one-sided backend with several ranks on ONE GPU (threads of
+this process, one stream each), against the copy limit measured in the same run.
+
+Measures (issue targets in brackets):
+* swap at tp=8, pad_bs=256, N=4, V=152064, fp32: time per op for all ranks
+  together vs a device-to-device copy of the same bytes [ratio >= 0.90];
+* small-op latency: swap pad_bs=8 (bf16) and both gathers at pad_bs=64, eager and
+  CUDA-graph replayed;
+* host overhead per eager call (tp=1, Python call time only) [<= 20 us].
+
+Every timed result is first checked against a reference. Prints a table and
+writes JSON (``--out``). Run on a GPU machine:
+``CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONPATH=$PWD python3 scripts/bench_onesided.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import torch  # noqa: E402
+
+from ipc_dpsample import DpSamplingComm  # noqa: E402
+from ipc_dpsample.testing import run_threads  # noqa: E402
+
+_capture_lock = threading.Lock()
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "p10": pct(xs, 0.1), "p90": pct(xs, 0.9), "n": len(xs)}
+
+
+def _op_call(comm, op, rank, tp, pad_bs, n, vs, dtype):
+    """Inputs for one op and a closure that issues it."""
+    r = pad_bs // tp
+    g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    if op == "swap":
+        x = (torch.randn(pad_bs * n, vs, generator=g, device="cuda") * 3).to(dtype)
+        return lambda: comm.swap_batch_vocab(x, pad_bs=pad_bs)
+    if op == "gather_outputs":
+        p = torch.randint(0, 1 << 30, (r, n), generator=g, device="cuda", dtype=torch.int32)
+        a = torch.randint(0, 1 << 30, (r, n), generator=g, device="cuda", dtype=torch.int32)
+        ln = torch.randint(0, n, (r,), generator=g, device="cuda", dtype=torch.int32)
+        return lambda: comm.gather_verify_outputs(p, a, ln, pad_bs=pad_bs)
+    lp = torch.randn(r, n, generator=g, device="cuda")
+    return lambda: comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
+
+
+def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode):
+    torch.cuda.set_device(0)
+    stream = torch.cuda.Stream()
+    torch.cuda.set_stream(stream)
+    vs = vocab // tp
+    with DpSamplingComm(
+        tp_size=tp,
+        rank=rank,
+        group=group,
+        max_pad_bs=pad_bs,
+        num_tokens_per_req=n,
+        vocab_size=vocab,
+        logits_dtype=dtype,
+        backend="onesided",
+        device=0,
+        timeout_s=30,
+    ) as comm:
+        call = _op_call(comm, op, rank, tp, pad_bs, n, vs, dtype)
+        if op == "swap":  # correctness of the timed configuration
+            g = [torch.Generator(device="cuda").manual_seed(1000 + s) for s in range(tp)]
+            xs = [
+                (torch.randn(pad_bs * n, vs, generator=g[s], device="cuda") * 3).to(dtype)
+                for s in range(tp)
+            ]
+            y = call()
+            rows = pad_bs // tp * n
+            ref = torch.cat([xs[s][rank * rows : (rank + 1) * rows] for s in range(tp)], dim=1)
+            stream.synchronize()
+            comm.check()
+            assert torch.equal(y, ref), "swap output differs from the reference"
+            del xs
+        for _ in range(3):
+            call()
+        stream.synchronize()
+        graph = None
+        if mode == "graph":
+            group.barrier(timeout_s=60, what="capture")
+            graph = torch.cuda.CUDAGraph()
+            with (
+                _capture_lock,
+                torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
+            ):
+                for _ in range(per_rep):
+                    call()
+            group.barrier(timeout_s=60, what="captured")
+            graph.replay()
+            stream.synchronize()
+        times = []
+        for _ in range(reps):
+            group.barrier(timeout_s=60, what="rep")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(per_rep):
+                    call()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / per_rep)  # us per op
+        comm.check()
+        group.barrier(timeout_s=60, what="done")
+        del graph
+    return times
+
+
+def run_point(tp, op, pad_bs, n, vocab, dtype, reps, per_rep, mode):
+    per_rank = run_threads(
+        tp, _rank_body, op, pad_bs, n, vocab, dtype, reps, per_rep, mode, timeout_s=600
+    )
+    # the ranks are coupled by the protocol; an op is done when the slowest rank is
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
+def copy_limit_us(nbytes: int, reps: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) * 1e3)
+    assert torch.equal(dst, src)
+    return out
+
+
+def host_overhead_us(op: str, calls: int = 2000) -> list[float]:
+    def body(rank, tp, group):
+        torch.cuda.set_device(0)
+        stream = torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
+        with DpSamplingComm(
+            tp_size=1,
+            rank=0,
+            group=group,
+            max_pad_bs=64,
+            num_tokens_per_req=4,
+            vocab_size=4096,
+            logits_dtype=torch.bfloat16,
+            backend="onesided",
+            device=0,
+        ) as comm:
+            call = _op_call(comm, op, 0, 1, 8 if op == "swap" else 64, 4, 4096, torch.bfloat16)
+            for _ in range(50):
+                call()
+            stream.synchronize()
+            per = []
+            for _ in range(calls // 100):
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    call()
+                per.append((time.perf_counter() - t0) / 100 * 1e6)
+                stream.synchronize()
+            comm.check()
+        return per
+
+    return run_threads(1, body)[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    tp = args.tp
+    rows = []
+    f32, bf16 = torch.float32, torch.bfloat16
+    big = dict(op="swap", pad_bs=256, n=4, vocab=152064, dtype=f32)
+    t = run_point(tp, mode="eager", reps=args.reps, per_rep=5, **big)
+    nbytes = big["pad_bs"] * big["n"] * big["vocab"] * 4  # all ranks' inputs together
+    c = copy_limit_us(nbytes, args.reps)
+    rows.append(
+        {
+            "what": "swap pad_bs=256 N=4 V=152064 fp32",
+            "tp": tp,
+            "mode": "eager",
+            "bytes": nbytes,
+            "us": stats(t),
+            "copy_us": stats(c),
+            "GBps": nbytes / statistics.median(t) / 1e3,
+            "copy_GBps": nbytes / statistics.median(c) / 1e3,
+            "ratio_to_copy": statistics.median(c) / statistics.median(t),
+        }
+    )
+    for op, pad_bs, dtype in (
+        ("swap", 8, bf16),
+        ("gather_outputs", 64, bf16),
+        ("gather_logprobs", 64, bf16),
+    ):
+        for mode in ("eager", "graph"):
+            t = run_point(
+                tp, op, pad_bs, 4, 152064, dtype, args.reps, 20 if mode == "graph" else 50, mode
+            )
+            nb = {
+                "swap": pad_bs * 4 * 152064 * 2,
+                "gather_outputs": pad_bs * 9 * 4,
+                "gather_logprobs": pad_bs * 4 * 4,
+            }[op]  # bytes of the whole result
+            rows.append(
+                {
+                    "what": f"{op} pad_bs={pad_bs} N=4"
+                    + (" V=152064 bf16" if op == "swap" else ""),
+                    "tp": tp,
+                    "mode": mode,
+                    "bytes": nb,
+                    "us": stats(t),
+                }
+            )
+    for op in ("gather_outputs", "swap"):
+        h = host_overhead_us(op)
+        rows.append(
+            {
+                "what": f"host time per eager {op} call (tp=1)",
+                "tp": 1,
+                "mode": "eager",
+                "bytes": 0,
+                "us": stats(h),
+            }
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit or os.environ.get("GIT_COMMIT", "?"),
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    print(f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU")
+    print(f"{'what':44s} {'mode':6s} {'median us':>10s} {'p10':>8s} {'p90':>8s}  extra")
+    for r in rows:
+        s = r["us"]
+        extra = ""
+        if "ratio_to_copy" in r:
+            extra = (
+                f"{r['GBps']:.0f} GB/s; copy {r['copy_us']['median']:.1f} us = "
+                f"{r['copy_GBps']:.0f} GB/s; ratio to copy {r['ratio_to_copy']:.3f}"
+            )
+        print(
+            f"{r['what']:44s} {r['mode']:6s} {s['median']:10.2f} {s['p10']:8.2f} "
+            f"{s['p90']:8.2f}  {extra}"
+        )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "bench_onesided.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
