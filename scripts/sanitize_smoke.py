@@ -10,10 +10,10 @@ import sys
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
-import torch  # noqa: E402
+import torch
 
-from ipc_dpsample import DpSamplingComm  # noqa: E402
-from ipc_dpsample.testing import run_threads  # noqa: E402
+from ipc_dpsample import DpSamplingComm
+from ipc_dpsample.testing import run_threads
 
 
 def body(rank: int, tp: int, group) -> bool:
