@@ -4,7 +4,8 @@
 # mpirun, the demo and a benchmark sweep on all GPUs, plus summary.txt.
 #
 # Usage: scripts/bringup.sh [REPORT_DIR]
-#   REPORT_DIR    default: bringup-reports/<UTC timestamp> in the repository
+#   REPORT_DIR    default: $OUT/bringup-<UTC timestamp> when OUT is set, else
+#                 bringup-reports/bringup-<UTC timestamp> in the repository
 # Environment:
 #   PYTHON        interpreter (default python3)
 #   NGPU          GPUs to use (default: what torch sees; 0 runs the CPU path)
@@ -20,7 +21,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
-REPORT="${1:-$ROOT/bringup-reports/$STAMP}"
+REPORT="${1:-${OUT:-$ROOT/bringup-reports}/bringup-$STAMP}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-3600}"
 SKIP="${SKIP:-}"
 mkdir -p "$REPORT"
@@ -197,8 +198,12 @@ EOF
   echo "test results:"
   for name in pytest torchrun mpirun; do
     if [[ -f "$REPORT/$name.log" ]]; then
-      grep -E '^[=]* ?[0-9]+ (passed|failed|skipped|error)|^FAILED|^ERROR' "$REPORT/$name.log" |
-        sort | uniq -c | head -20 | sed "s/^/  $name: /" || true
+      # totals and crashes first, then the failing tests; "2x" = seen on 2 ranks
+      {
+        grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?)|Fatal Python error|exitcode +:' \
+          "$REPORT/$name.log" | sort | uniq -c
+        grep -E '^(FAILED|ERROR) ' "$REPORT/$name.log" | sort | uniq -c | head -20
+      } | sed -E "s/^ *([0-9]+) /  $name: \1x /" || true
     fi
   done
   echo
