@@ -131,17 +131,34 @@ def _kind_of(x: Any) -> ArrayKind:
     )
 
 
-def describe(x: Any) -> ArrayInfo:
+def describe(x: Any, name: str = "array") -> ArrayInfo:
     """Describe ``x`` without copying it or touching a GPU.
+
+    Parameters
+    ----------
+    x : array
+    name : str
+        The argument's name, used in error messages.
 
     Raises
     ------
     TypeError
-        ``x`` is not an array of a supported framework.
+        ``x`` is not a strided array of a supported framework, lives on a device
+        other than the CPU or a CUDA GPU, or exposes a malformed
+        ``__cuda_array_interface__``.
     """
-    kind = _kind_of(x)
+    try:
+        kind = _kind_of(x)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
     if kind is ArrayKind.TORCH:
+        layout = str(x.layout)
+        if layout != "torch.strided" or getattr(x, "is_nested", False):
+            kind_name = "nested" if getattr(x, "is_nested", False) else layout
+            raise TypeError(f"{name} is a {kind_name} tensor; expected a dense (strided) tensor")
         dev = x.device
+        if dev.type not in ("cpu", "cuda"):
+            raise TypeError(f"{name} is on {dev.type}; expected cpu or cuda")
         return ArrayInfo(
             kind,
             x.data_ptr(),
@@ -155,7 +172,7 @@ def describe(x: Any) -> ArrayInfo:
             kind,
             x.data.ptr,
             tuple(x.shape),
-            x.dtype.name,
+            _numpy_dtype_name(x.dtype),
             x.device.id,
             bool(x.flags.c_contiguous),
         )
@@ -164,17 +181,33 @@ def describe(x: Any) -> ArrayInfo:
             kind,
             x.ctypes.data,
             tuple(x.shape),
-            x.dtype.name,
+            _numpy_dtype_name(x.dtype),
             -1,
             bool(x.flags.c_contiguous),
         )
-    cai = x.__cuda_array_interface__
-    shape = tuple(cai["shape"])
-    dtype = np.dtype(cai["typestr"])
-    strides = cai.get("strides")
+    try:
+        cai = x.__cuda_array_interface__
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        ptr = int(cai["data"][0])
+        strides = cai.get("strides")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise TypeError(
+            f"{name} has a malformed __cuda_array_interface__ ({type(exc).__name__}: {exc})"
+        ) from None
     contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
     dev = _numba_device(x)
-    return ArrayInfo(kind, int(cai["data"][0]), shape, dtype.name, dev, contiguous)
+    return ArrayInfo(kind, ptr, shape, _numpy_dtype_name(dtype), dev, contiguous)
+
+
+def _numpy_dtype_name(dtype: Any) -> str:
+    """The dtype's name, marked when its byte order is not native (never accepted)."""
+    if dtype.byteorder not in ("=", "|") and dtype.byteorder != _NATIVE:
+        return f"{dtype.name} (non-native byte order {dtype.str})"
+    return dtype.name
+
+
+_NATIVE = "<" if np.little_endian else ">"
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

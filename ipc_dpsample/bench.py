@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -936,6 +937,9 @@ def _make_runner(ctx: _RankCtx, impl: str) -> _Runner:
     return _NcclCupyRunner(ctx)
 
 
+_CAPTURE_LOCK = threading.Lock()
+
+
 def _build(ctx: _RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[], Any], int]:
     """What one timed sample runs, and how many calls it holds: ``fn`` itself
     (eager), or the replay of a CUDA graph that captured ``cfg.graph_ops`` calls
@@ -945,7 +949,12 @@ def _build(ctx: _RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[]
     import torch
 
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"):
+    # torch.cuda.graph synchronises the device and empties the cache on entry: rank
+    # threads sharing a GPU capture one at a time (capturing launches nothing).
+    with (
+        _CAPTURE_LOCK,
+        torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"),
+    ):
         for _ in range(ctx.cfg.graph_ops):
             fn()
     ctx.keep = graph  # replays need it alive; replaced at the next point

@@ -34,6 +34,31 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.device_count())
+    except Exception:
+        pass
+    return cupy_device_count()
+
+
+def _check_device_usable(device: int) -> None:
+    if device < 0:
+        return
+    count = _cuda_device_count()
+    if device >= count:
+        raise ValueError(
+            f"device=cuda:{device} but this process sees {count} CUDA device(s); use "
+            f"device='cpu' or a CUDA ordinal < {count}"
+            if count
+            else f"device=cuda:{device} but no CUDA device is usable here (torch and CuPy "
+            "see none); use device='cpu'"
+        )
+
+
 def _resolve_device(device: Any) -> int:
     """CUDA ordinal, or -1 for the CPU."""
     if device is None:
@@ -127,58 +152,89 @@ class DpSamplingComm:
     ) -> None:
         self._backend: Backend | None = None
         self._closed = False
-        env = os.environ.get(ENV_BACKEND)
-        if env is not None and env.strip() != "":
-            env = env.strip().lower()
-            if env not in BACKENDS:
-                raise ValueError(f"{ENV_BACKEND}={env!r}; expected one of {BACKENDS}")
-            backend = env
-        dtype = None if logits_dtype is None else normalize_dtype(logits_dtype)
-        self.config = CommConfig(
+        self._group: HostGroup = resolve_group(group)
+        # Validate locally, but always take part in the agreement exchange: a rank
+        # with a bad argument must not leave its peers waiting for it.
+        raw = dict(
             tp_size=tp_size,
             rank=rank,
             max_pad_bs=max_pad_bs,
             num_tokens_per_req=num_tokens_per_req,
             vocab_size=vocab_size,
-            logits_dtype=dtype,
-            backend=backend,  # type: ignore[arg-type]
-            timeout_s=float(timeout_s),
         )
+        local_error: Exception | None = None
+        dtype: str | None = None
+        try:
+            env = os.environ.get(ENV_BACKEND)
+            if env is not None and env.strip() != "":
+                env = env.strip().lower()
+                if env not in BACKENDS:
+                    raise ValueError(f"{ENV_BACKEND}={env!r}; expected one of {BACKENDS}")
+                backend = env
+            dtype = None if logits_dtype is None else normalize_dtype(logits_dtype)
+            self.config = CommConfig(
+                logits_dtype=dtype,
+                backend=backend,  # type: ignore[arg-type]
+                timeout_s=timeout_s,
+                **raw,
+            )
+            self._device = _resolve_device(device)
+            _check_device_usable(self._device)
+            if self._group.size != tp_size:
+                raise ValueError(f"tp_size={tp_size} != group size {self._group.size}")
+            if self._group.rank != rank:
+                raise ValueError(
+                    f"rank={rank} != this process's rank {self._group.rank} in the group"
+                )
+        except (ValueError, TypeError) as exc:
+            local_error = exc
+        self._exchange_records(raw, dtype, backend, local_error)
+        assert local_error is None  # raised by _exchange_records
         self.layout = Layout(tp_size, max_pad_bs, num_tokens_per_req, vocab_size)
-        self._device = _resolve_device(device)
-        self._group: HostGroup = resolve_group(group)
-        if self._group.size != tp_size:
-            raise ValueError(f"tp_size={tp_size} != group size {self._group.size}")
-        if self._group.rank != rank:
-            raise ValueError(f"rank={rank} != this process's rank {self._group.rank} in the group")
         self._logits_dtype = dtype
-        self._records = self._exchange_records()
         self._backend_name, self._reason, self._backend = self._choose_backend()
 
     # -- construction -------------------------------------------------------------
-    def _exchange_records(self) -> list[PeerRecord]:
-        cfg = self.config
+    def _exchange_records(
+        self,
+        raw: dict[str, Any],
+        dtype: str | None,
+        backend: str,
+        local_error: Exception | None,
+    ) -> None:
+        """All-gather every rank's config and identity; raise on every rank if any
+        rank's arguments were invalid or differ from the others'."""
+
+        def as_int(v: Any) -> int:
+            ok = isinstance(v, int) and not isinstance(v, bool) and -(2**31) <= v < 2**31
+            return int(v) if ok else -1
+
+        valid = local_error is None
+        device = self._device if valid else -1
         mine = PeerRecord(
-            tp_size=cfg.tp_size,
-            rank=cfg.rank,
-            max_pad_bs=cfg.max_pad_bs,
-            num_tokens_per_req=cfg.num_tokens_per_req,
-            vocab_size=cfg.vocab_size,
-            logits_dtype=cfg.logits_dtype,
-            backend=cfg.backend,
-            device_kind="cpu" if self._device < 0 else "cuda",
+            tp_size=as_int(raw["tp_size"]),
+            rank=as_int(raw["rank"]),
+            max_pad_bs=as_int(raw["max_pad_bs"]),
+            num_tokens_per_req=as_int(raw["num_tokens_per_req"]),
+            vocab_size=as_int(raw["vocab_size"]),
+            logits_dtype=dtype if dtype in ("bfloat16", "float16", "float32") else None,
+            backend=backend if backend in BACKENDS else "auto",
+            device_kind="cpu" if device < 0 else "cuda",
             version=__version__,
             pid=os.getpid(),
             host_id=host_id(),
             boot_id=boot_id(),
-            gpu_uuid=gpu_uuid(self._device),
+            gpu_uuid=gpu_uuid(device),
+            error="" if valid else f"{type(local_error).__name__}: {local_error}",
         )
-        raw = self._group.all_gather_bytes(
+        gathered = self._group.all_gather_bytes(
             pack_record(mine), timeout_s=_SETUP_TIMEOUT_S, what="config agreement"
         )
-        records = [unpack_record(r) for r in raw]
-        check_agreement(records, cfg.rank)
-        return records
+        if local_error is not None:
+            raise local_error
+        records = [unpack_record(r) for r in gathered]
+        check_agreement(records, self.config.rank)
+        self._records = records
 
     def _facts(self, ipc_verified: bool | None = None, ipc_detail: str = "") -> Facts:
         recs = self._records
@@ -345,7 +401,7 @@ class DpSamplingComm:
                 "logits dtype unknown: pass logits_dtype= to the constructor or call "
                 "prepare_verify_outputs(dtype) first"
             )
-        info = describe(local_logits)
+        info = describe(local_logits, "local_logits")
         expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
         self._check_array("local_logits", info, expected, dtype)
         assert self._backend is not None
@@ -380,11 +436,11 @@ class DpSamplingComm:
         cfg = self.config
         cfg.validate_pad_bs(pad_bs)
         r, n = pad_bs // cfg.tp_size, cfg.num_tokens_per_req
-        info = describe(predict_local)
+        info = describe(predict_local, "predict_local")
         self._check_array("predict_local", info, (r, n), "int32")
-        ai = describe(accept_index_local)
+        ai = describe(accept_index_local, "accept_index_local")
         self._check_array("accept_index_local", ai, (r, n), "int32", info.kind)
-        al = describe(accept_length_local)
+        al = describe(accept_length_local, "accept_length_local")
         self._check_array("accept_length_local", al, (r,), "int32", info.kind)
         assert self._backend is not None
         return self._backend.gather_verify_outputs(
@@ -416,7 +472,7 @@ class DpSamplingComm:
         self._check_open()
         cfg = self.config
         cfg.validate_pad_bs(pad_bs)
-        info = describe(logprobs_local)
+        info = describe(logprobs_local, "logprobs_local")
         self._check_array(
             "logprobs_local", info, (pad_bs // cfg.tp_size, cfg.num_tokens_per_req), "float32"
         )

@@ -36,10 +36,10 @@ _DTYPE_CODES = {None: 0, "bfloat16": 1, "float16": 2, "float32": 3}
 _DTYPE_NAMES = {v: k for k, v in _DTYPE_CODES.items()}
 
 RECORD_MAGIC = b"IPCDPCF1"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 # magic, version, tp, rank, max_pad_bs, N, V, dtype, backend, device kind,
-# package version, pid, host id, boot id, GPU UUID
-_FMT = "<8sHiiiiqBBB32sq64s40s40s"
+# package version, pid, host id, boot id, GPU UUID, error ("" when the arguments were valid)
+_FMT = "<8sHiiiiqBBB32sq64s40s40s160s"
 RECORD_SIZE = struct.calcsize(_FMT)
 
 
@@ -91,8 +91,12 @@ class CommConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
-        if not (self.timeout_s > 0):
-            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(t).__name__} {t!r}")
+        if not (t > 0) or t == float("inf"):
+            raise ValueError(f"timeout_s={float(t)} must be > 0 (a finite number of seconds)")
+        object.__setattr__(self, "timeout_s", float(t))
         if self.max_pad_bs * self.num_tokens_per_req >= 2**31:
             raise ValueError(
                 f"max_pad_bs * num_tokens_per_req = {self.max_pad_bs * self.num_tokens_per_req}"
@@ -129,6 +133,7 @@ class PeerRecord:
     host_id: str
     boot_id: str
     gpu_uuid: str
+    error: str = ""
 
 
 def _enc(s: str, n: int) -> bytes:
@@ -160,6 +165,7 @@ def pack_record(rec: PeerRecord) -> bytes:
         _enc(rec.host_id, 64),
         _enc(rec.boot_id, 40),
         _enc(rec.gpu_uuid, 40),
+        _enc(rec.error, 160),
     )
 
 
@@ -184,6 +190,7 @@ def unpack_record(raw: bytes) -> PeerRecord:
         raise DpSampleError(f"config record has invalid codes dtype={f[7]} backend={f[8]}")
 
     tp, rank, max_pad_bs, n, vocab, pid = f[2], f[3], f[4], f[5], f[6], f[11]
+    error = f[15].rstrip(b"\0").decode(errors="replace")
     problems = []
     if tp < 1:
         problems.append(f"tp_size={tp} < 1")
@@ -197,7 +204,7 @@ def unpack_record(raw: bytes) -> PeerRecord:
         problems.append(f"vocab_size={vocab} not a positive multiple of tp_size={tp}")
     if pid <= 0:
         problems.append(f"pid={pid} <= 0")
-    if problems:
+    if problems and not error:
         raise DpSampleError("invalid config record from a peer: " + "; ".join(problems))
 
     def dec(b: bytes) -> str:
@@ -217,6 +224,7 @@ def unpack_record(raw: bytes) -> PeerRecord:
         host_id=dec(f[12]),
         boot_id=dec(f[13]),
         gpu_uuid=dec(f[14]),
+        error=error,
     )
 
 
@@ -240,12 +248,15 @@ def check_agreement(records: Sequence[PeerRecord], my_rank: int) -> None:
     Every rank calls this on the same records, so every rank raises the same error.
     """
     fields: dict[str, dict[int, object]] = {}
+    errors = {r: rec.error for r, rec in enumerate(records) if rec.error}
+    if errors:
+        fields["invalid_arguments"] = dict(errors)
     for name in AGREED_FIELDS:
         values = {r: getattr(rec, name) for r, rec in enumerate(records)}
         if len(set(values.values())) > 1:
             fields[name] = values
     ranks = {i: rec.rank for i, rec in enumerate(records)}
-    if any(i != r for i, r in ranks.items()):
+    if any(i != r for i, r in ranks.items() if i not in errors):
         fields["rank"] = ranks
     if fields:
         detail = "; ".join(

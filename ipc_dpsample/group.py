@@ -233,6 +233,8 @@ def resolve_group(group: Any) -> HostGroup:
     if group is None:
         return TorchStoreGroup(None)
     if isinstance(group, Sequence) and not isinstance(group, (str, bytes)):
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in group):
+            raise TypeError(f"group={group!r}: a tuple of group ranks must hold ints only")
         ranks = tuple(int(r) for r in group)
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"group ranks {ranks} must be distinct and non-empty")

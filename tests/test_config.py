@@ -13,6 +13,7 @@ from ipc_dpsample import ConfigMismatchError, DpSampleError
 from ipc_dpsample.config import (
     AGREED_FIELDS,
     RECORD_SIZE,
+    RECORD_VERSION,
     CommConfig,
     PeerRecord,
     check_agreement,
@@ -132,7 +133,7 @@ def _rec(**kw: Any) -> PeerRecord:
         {"logits_dtype": "bfloat16", "backend": "onesided"},
         {"logits_dtype": "float32", "backend": "nccl", "rank": 1},
         {"host_id": "h" * 64, "boot_id": "b" * 40, "gpu_uuid": "g" * 40, "version": "v" * 16},
-        {"max_pad_bs": 2**31 - 1, "vocab_size": 2**40, "pid": 2**40},
+        {"max_pad_bs": 2**30, "vocab_size": 2**40, "pid": 2**40},
     ],
 )
 def test_record_round_trip(kw: dict) -> None:
@@ -177,7 +178,7 @@ MALFORMED = {
     "long": lambda raw: raw + b"\0",
     "double": lambda raw: raw + raw,
     "magic": lambda raw: b"XXXXXXXX" + raw[8:],
-    "record_version": lambda raw: _corrupt(raw, 1, 2),
+    "record_version": lambda raw: _corrupt(raw, 1, RECORD_VERSION + 1),
     "dtype_code": lambda raw: _corrupt(raw, 7, 9),
     "backend_code": lambda raw: _corrupt(raw, 8, 4),
     "device_code": lambda raw: _corrupt(raw, 9, 2),

@@ -3,10 +3,14 @@
 CPU tensors (and NumPy arrays) travel over gloo, CUDA tensors over the group's
 NCCL. Logits travel as raw bytes (``uint8`` views), so every dtype moves
 bit-exactly on every process-group backend. The verify outputs are packed into
-one int32 all-gather with a 4-word header per rank (op, pad_bs, N, op sequence);
-the swap is preceded by the same header gathered on its own. A rank that calls
-another op or passes another ``pad_bs`` therefore makes every rank raise
-:class:`~ipc_dpsample.errors.DpSampleError` instead of moving wrong data.
+one int32 all-gather.
+
+Mismatch check: every op starts with the same small collective, an all-gather of
+a 4-word header (op, pad_bs, N, op sequence). Because it has the same size for
+every op, ranks whose call sequences diverged (another op, another ``pad_bs``, a
+skipped op) meet in it and every rank raises
+:class:`~ipc_dpsample.errors.DpSampleError` before any data moves. It costs one
+small collective per op: the price of a portable path that never corrupts data.
 """
 
 from __future__ import annotations
@@ -60,13 +64,11 @@ class TorchBackend(Backend):
         self._seq = 0
         self._logits_dtype: str | None = None
         kw: dict[str, Any] = {"device": device}
-        # verify gathers: [tp, header + R*(2N+1)] int32, received packed
-        self._vo_width = _HEADER + rmax * (2 * n + 1)
+        # verify outputs: [tp, R*(2N+1)] int32, received packed
+        self._vo_width = rmax * (2 * n + 1)
         self._vo_send = torch.empty(self._vo_width, dtype=torch.int32, **kw)
         self._vo_recv = torch.empty(tp * self._vo_width, dtype=torch.int32, **kw)
-        self._lp_width = _HEADER + rmax * n
-        self._lp_send = torch.empty(self._lp_width, dtype=torch.int32, **kw)
-        self._lp_recv = torch.empty(tp * self._lp_width, dtype=torch.int32, **kw)
+        self._lp_send = torch.empty(rmax * n, dtype=torch.int32, **kw)
         self._hdr_send = torch.empty(_HEADER, dtype=torch.int32, **kw)
         self._hdr_recv = torch.empty(tp * _HEADER, dtype=torch.int32, **kw)
         self.out_predict = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
@@ -142,8 +144,12 @@ class TorchBackend(Backend):
         self._seq += 1
         return [op, pad_bs, self.cfg.num_tokens_per_req, self._seq & 0x7FFFFFFF]
 
-    def _check_headers(self, recv: torch.Tensor, width: int, mine: list[int]) -> None:
-        hdr = recv.view(self.cfg.tp_size, width)[:, :_HEADER].cpu()
+    def _agree(self, op: int, pad_bs: int) -> None:
+        """All-gather this op's header and raise on every rank if any differs."""
+        mine = self._header(op, pad_bs)
+        self._hdr_send.copy_(torch.tensor(mine, dtype=torch.int32))
+        _all_gather_single(self._hdr_recv, self._hdr_send, group=self.pg)
+        hdr = self._hdr_recv.view(self.cfg.tp_size, _HEADER).cpu()
         expect = torch.tensor(mine, dtype=torch.int32)
         bad = [r for r in range(self.cfg.tp_size) if not torch.equal(hdr[r], expect)]
         if bad:
@@ -162,10 +168,7 @@ class TorchBackend(Backend):
         rows = pad_bs // tp * n
         t = self._as_torch(x, info)
         with self._stream_ctx(stream):
-            mine = self._header(OP_SWAP, pad_bs)
-            self._hdr_send.copy_(torch.tensor(mine, dtype=torch.int32))
-            _all_gather_single(self._hdr_recv, self._hdr_send, group=self.pg)
-            self._check_headers(self._hdr_recv, _HEADER, mine)
+            self._agree(OP_SWAP, pad_bs)
             src = t.reshape(-1).view(torch.uint8)
             staging = self._staging[: src.numel()]
             dist.all_to_all_single(staging, src, group=self.pg)
@@ -191,19 +194,16 @@ class TorchBackend(Backend):
         p = self._as_torch(predict, info)
         a = self._as_torch(accept_index, info)
         ln = self._as_torch(accept_length, info)
-        w = self._vo_width
         with self._stream_ctx(stream):
-            mine = self._header(OP_GATHER_OUTPUTS, pad_bs)
-            send = self._vo_send
-            send[:_HEADER].copy_(torch.tensor(mine, dtype=torch.int32))
-            body = send[_HEADER : _HEADER + r * (2 * n + 1)].view(r, 2 * n + 1)
+            self._agree(OP_GATHER_OUTPUTS, pad_bs)
+            send = self._vo_send[: r * (2 * n + 1)]
+            body = send.view(r, 2 * n + 1)
             body[:, :n].copy_(p)
             body[:, n : 2 * n].copy_(a)
             body[:, 2 * n].copy_(ln)
-            _all_gather_single(self._vo_recv, send, group=self.pg)
-            self._check_headers(self._vo_recv, w, mine)
-            got = self._vo_recv.view(tp, w)[:, _HEADER : _HEADER + r * (2 * n + 1)]
-            got = got.reshape(tp * r, 2 * n + 1)
+            recv = self._vo_recv[: tp * r * (2 * n + 1)]
+            _all_gather_single(recv, send, group=self.pg)
+            got = recv.view(tp * r, 2 * n + 1)
             op_, oa, ol = (
                 self.out_predict[:pad_bs],
                 self.out_accept_index[:pad_bs],
@@ -226,17 +226,13 @@ class TorchBackend(Backend):
         tp, n = cfg.tp_size, cfg.num_tokens_per_req
         r = pad_bs // tp
         lp = self._as_torch(logprobs, info)
-        w = self._lp_width
         with self._stream_ctx(stream):
-            mine = self._header(OP_GATHER_LOGPROBS, pad_bs)
-            send = self._lp_send
-            send[:_HEADER].copy_(torch.tensor(mine, dtype=torch.int32))
-            send[_HEADER : _HEADER + r * n].view(torch.float32).copy_(lp.reshape(-1))
-            _all_gather_single(self._lp_recv, send, group=self.pg)
-            self._check_headers(self._lp_recv, w, mine)
-            got = self._lp_recv.view(tp, w)[:, _HEADER : _HEADER + r * n]
+            self._agree(OP_GATHER_LOGPROBS, pad_bs)
+            send = self._lp_send[: r * n]
+            send.view(torch.float32).copy_(lp.reshape(-1))
             out = self.out_logprobs[:pad_bs]
-            out.view(torch.int32).copy_(got.reshape(tp * r, n))
+            # receive straight into the persistent output: rank-major rows are the layout
+            _all_gather_single(out.view(torch.int32).view(-1), send, group=self.pg)
         return self._out(info.kind, "logprobs", pad_bs, out)
 
     def close(self) -> None:
