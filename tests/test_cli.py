@@ -470,6 +470,42 @@ def test_plan_selftests_per_machine() -> None:
     )
 
 
+def test_ipc_pair_check_between_two_processes() -> None:
+    """Two spawned processes on GPU 0: a real verified write/read-back where CuPy
+    drives a GPU, else a failure that names the GPU and the step on both sides."""
+    from ipc_dpsample.identity import cupy_device_count
+
+    (pair,) = doctor.verify_ipc_pairs(1, nbytes=1 << 16, timeout_s=60)
+    assert (pair["a"], pair["b"]) == (0, 0) and pair["seconds"] >= 0
+    assert (
+        doctor.validate(pair, doctor.SCHEMA["properties"]["p2p"]["properties"]["pairs"]["items"])
+        == []
+    )
+    if cupy_device_count() > 0:
+        assert pair["verified"], pair["detail"]
+    else:
+        assert not pair["verified"]
+        assert pair["detail"].count("GPU 0 at cudaSetDevice") == 2, pair["detail"]
+
+
+def test_collect_without_gpus_is_well_formed() -> None:
+    from ipc_dpsample.identity import cupy_device_count
+
+    if cupy_device_count() > 0:
+        pytest.skip("checks the no-GPU shapes of the report")
+    assert doctor.driver_p2p_matrix(2) == [[None, None], [None, None]]
+    p2p = doctor.collect_p2p(0)
+    assert p2p["skipped"] and p2p["pairs"] == [] and p2p["driver"] == []
+    topo = doctor.collect_topology([])
+    assert doctor.validate(topo, doctor.SCHEMA["properties"]["topology"]) == []
+    versions = doctor.collect_versions()
+    assert versions["python"] and versions["numpy"] and versions["ipc_dpsample"]
+    gpus = doctor.collect_gpus(CPU_BOX)
+    assert (
+        gpus["devices"] == [] and doctor.validate(gpus, doctor.SCHEMA["properties"]["gpus"]) == []
+    )
+
+
 def test_version_formatting() -> None:
     assert doctor.nccl_version_string(22805) == "2.28.5"
     assert doctor.nccl_version_string(2708) == "2.7.8"
