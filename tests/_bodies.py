@@ -15,6 +15,7 @@ earlier ops are poisoned before the next op, so a skipped or partial copy shows.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Any
@@ -378,7 +379,7 @@ _FIELD_CHANGES: dict[str, dict[str, Any]] = {
     "vocab_size": {"vocab_size_factor": 2},
     "logits_dtype": {"logits_dtype": "bfloat16"},
     "backend": {"backend": "torch"},
-    "device_kind": {"device": "cuda:0"},
+    "device_kind": {},  # simulated: the odd rank's record says "cuda" (no GPU here)
     "version": {},  # simulated by patching ipc_dpsample.comm.__version__
 }
 
@@ -402,10 +403,15 @@ def config_mismatch_fields(rank: int, tp: int, group: Any, odd_rank: int) -> dic
     assert not missing, f"no mismatch case for agreed fields {sorted(missing)}"
     odd = rank == odd_rank
     messages = {}
+    real_pack = comm_module.pack_record
     for field in _FIELD_CHANGES:
         saved = comm_module.__version__
         if field == "version" and odd:
             comm_module.__version__ = "99.0.0+mismatch"
+        if field == "device_kind" and odd:
+            comm_module.pack_record = lambda rec: real_pack(
+                dataclasses.replace(rec, device_kind="cuda")
+            )
         t0 = time.monotonic()
         try:
             comm = _construct(rank, tp, group, field, odd)
@@ -422,6 +428,7 @@ def config_mismatch_fields(rank: int, tp: int, group: Any, odd_rank: int) -> dic
             raise AssertionError(f"rank {rank}: {field} differs but construction succeeded")
         finally:
             comm_module.__version__ = saved
+            comm_module.pack_record = real_pack
 
     messages.update(_malformed_records(rank, tp, group, odd))
     _fresh_comm_works(rank, tp, group)

@@ -40,12 +40,6 @@ def test_runtime_pad_bs_mismatch_raises_on_every_rank() -> None:
         assert len(messages) == 3
 
 
-def test_runtime_op_mismatch_raises_on_every_rank() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
-    for messages in results:
-        assert len(messages) == 6
-
-
 @pytest.mark.parametrize(("world", "odd_rank"), [(2, 1), (3, 1)])
 def test_config_mismatch_of_each_field_raises_on_every_rank(world: int, odd_rank: int) -> None:
     results = _ranks_ran(run_ranks(world, _bodies.config_mismatch_fields, odd_rank), world)
@@ -57,3 +51,11 @@ def test_config_mismatch_of_tp_size_raises_on_every_rank() -> None:
     results = _ranks_ran(run_ranks(2, _bodies.config_mismatch_tp, timeout_s=90), 2)
     for message in results:
         assert "tp_size" in message
+
+
+# last: a process group backend that aborts on mismatched collectives would take the
+# launched ranks down with it
+def test_runtime_op_mismatch_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
+    for messages in results:
+        assert len(messages) == 6

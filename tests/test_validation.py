@@ -96,7 +96,7 @@ def test_constructor_rejects(world1: None, kw: dict, exc: type, pattern: str) ->
 def test_cuda_device_without_cuda_raises_a_clear_error(world1: None) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here; this checks the CPU-only error path")
-    with pytest.raises((ValueError, DpSampleError), match=r"cuda"):
+    with pytest.raises((ValueError, DpSampleError), match=r"(?i)cuda"):
         DpSamplingComm(
             tp_size=1, rank=0, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V,
             logits_dtype="float32", device="cuda:0",
@@ -257,12 +257,12 @@ def test_cuda_array_on_cpu_communicator(make_comm: Any) -> None:
 
 def test_meta_tensor_is_a_device_error(make_comm: Any) -> None:
     comm = make_comm()
-    with pytest.raises(TypeError, match=r"local_logits is on meta"):
+    with pytest.raises(TypeError, match=r"local_logits\b.*\bmeta\b"):
         comm.swap_batch_vocab(torch.ones(8, V, device="meta"), pad_bs=4)
     meta = torch.ones(4, N, dtype=torch.int32, device="meta")
-    with pytest.raises(TypeError, match=r"predict_local is on meta"):
+    with pytest.raises(TypeError, match=r"predict_local\b.*\bmeta\b"):
         comm.gather_verify_outputs(meta, meta, meta[:, 0], pad_bs=4)
-    with pytest.raises(TypeError, match=r"logprobs_local is on meta"):
+    with pytest.raises(TypeError, match=r"logprobs_local\b.*\bmeta\b"):
         comm.gather_verify_logprobs(torch.ones(4, N, device="meta"), pad_bs=4)
     _valid_calls_work(comm)
 
