@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One batched GPU session: tests, benchmarks, doctor, demo, sanitizer. Every step has
+# its own time limit and keeps going past failures; logs land in $OUT (at most 8 files).
+set -u
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
+export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+step() {  # step SECONDS LOGFILE COMMAND...
+  local t=$1 log=$2; shift 2
+  local t0=$SECONDS
+  echo "### $* (limit ${t}s)" >> "$log"
+  timeout "$t" "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
+  echo "[$rc ${SECONDS}s] $*"
+}
+py() { python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE "$@"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
+step "${T_ONESIDED:-170}" "$out/onesided.log" py --timeout 90 tests/test_onesided_gpu.py
+step "${T_BENCH:-70}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
+step "${T_NCCL:-45}" "$out/nccl.log" py --timeout 40 tests/test_nccl_gpu.py
+step "${T_DOCTOR:-30}" "$out/misc.log" python3 -m ipc_dpsample doctor
+step 40 "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+step 30 "$out/misc.log" python3 -m ipc_dpsample demo
+step "${T_SWEEP:-60}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
+cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
+step 30 "$out/misc.log" compute-sanitizer --tool synccheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+for f in onesided nccl; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' "$out/$f.log" | tail -1)"; done
+grep -E "^(FAILED|ERROR)" "$out/onesided.log" "$out/nccl.log" | cut -c1-300 | head -20
+tail -14 "$out/bench.log"
