@@ -300,7 +300,7 @@ class OnesidedBackend(Backend):
         if logits_dtype != self._logits_dtype:
             self._logits_dtype = logits_dtype
             self._swap_plans.clear()
-            self._views = {k: v for k, v in self._views.items() if k[0] != "swap"}
+            self._views = {k: v for k, v in self._views.items() if k[0][0] != "swap"}
 
     def _stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
