@@ -595,3 +595,29 @@ def harness_hang(rank: int, world: int, group: Any) -> int:
     if rank == 0:
         time.sleep(3600)
     return rank
+
+
+# -- overlapping subgroups ---------------------------------------------------------------
+SUBGROUPS = ((0, 1), (0, 1, 2), (1, 2, 3), (0, 1), (2, 3))
+
+
+def overlapping_subgroups(rank: int, world: int, group: Any, seed: int) -> list[tuple[int, ...]]:
+    """Communicators on overlapping subgroups given as tuples of global ranks, created by
+    their members only (each rank takes part in a different sequence of groups). Every
+    op bit-exact. Returns the groups this rank took part in."""
+    assert world == 4, world
+    joined = []
+    for i, members in enumerate(SUBGROUPS):
+        if rank not in members:
+            continue
+        tp, me = len(members), members.index(rank)
+        with DpSamplingComm(
+            tp_size=tp, rank=me, group=members, max_pad_bs=2 * tp, num_tokens_per_req=2,
+            vocab_size=3 * tp, logits_dtype="float16", device="cpu",
+        ) as comm:  # fmt: skip
+            chk = Checker(comm, me, tp, seed + i)
+            chk.swap(2 * tp)
+            chk.gather_outputs(tp)
+            chk.gather_logprobs(2 * tp)
+        joined.append(members)
+    return joined

@@ -53,6 +53,12 @@ def test_config_mismatch_of_tp_size_raises_on_every_rank() -> None:
         assert "tp_size" in message
 
 
+def test_communicators_on_overlapping_subgroups() -> None:
+    results = _ranks_ran(run_ranks(4, _bodies.overlapping_subgroups, SEED, timeout_s=60), 4)
+    for rank, joined in enumerate(results if len(results) == 4 else []):
+        assert joined == [tuple(g) for g in _bodies.SUBGROUPS if rank in g]
+
+
 # last: a process group backend that aborts on mismatched collectives would take the
 # launched ranks down with it
 def test_runtime_op_mismatch_raises_on_every_rank() -> None:
