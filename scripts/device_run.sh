@@ -6,8 +6,9 @@ out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
 export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-step() {  # step SECONDS LOGFILE COMMAND...
+step() {  # step SECONDS LOGFILE COMMAND...   (SECONDS=0 skips the step)
   local t=$1 log=$2; shift 2
+  [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
   local t0=$SECONDS
   echo "### $* (limit ${t}s)" >> "$log"
   timeout "$t" "$@" >> "$log" 2>&1
@@ -21,11 +22,12 @@ step "${T_ONESIDED:-170}" "$out/onesided.log" py --timeout 90 tests/test_oneside
 step "${T_BENCH:-70}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
 step "${T_NCCL:-45}" "$out/nccl.log" py --timeout 40 tests/test_nccl_gpu.py
 step "${T_DOCTOR:-30}" "$out/misc.log" python3 -m ipc_dpsample doctor
-step 40 "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
-step 30 "$out/misc.log" python3 -m ipc_dpsample demo
+step "${T_MEMCHECK:-40}" "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+step "${T_DEMO:-30}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-60}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
-step 30 "$out/misc.log" compute-sanitizer --tool synccheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+step "${T_SYNCCHECK:-30}" "$out/misc.log" compute-sanitizer --tool synccheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
 for f in onesided nccl; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' "$out/$f.log" | tail -1)"; done
 grep -E "^(FAILED|ERROR)" "$out/onesided.log" "$out/nccl.log" | cut -c1-300 | head -20
 tail -14 "$out/bench.log"
+grep -E "ERROR SUMMARY|sanitize_smoke|^### rc" "$out/misc.log" | tail -8
