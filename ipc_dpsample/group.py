@@ -78,6 +78,7 @@ class TorchStoreGroup:
             raise ValueError(f"this process (global rank {world_rank}) is not in group {ranks}")
         self._rank = self.global_ranks.index(world_rank)
         self._pg = process_group
+        self._member_pgs: dict[str, Any] = {}
         self._store = dist.distributed_c10d._get_default_store()
         with _seq_lock:
             counter = _group_seq.setdefault(self.global_ranks, itertools.count())
@@ -104,15 +105,34 @@ class TorchStoreGroup:
 
     @property
     def process_group(self) -> Any:
-        """The torch ProcessGroup of the members (created on first use)."""
+        """The caller's ProcessGroup, or the world's when the group is the world;
+        None for a tuple subgroup (use :meth:`members_process_group`)."""
         if self._pg is None:
             import torch.distributed as dist
 
             if self.global_ranks == tuple(range(dist.get_world_size())):
                 self._pg = dist.group.WORLD
-            else:
-                self._pg = dist.new_group(list(self.global_ranks), use_local_synchronization=True)
         return self._pg
+
+    def members_process_group(self, device_type: str, timeout_s: float = 300.0) -> Any:
+        """A process group of the members only, built directly on a prefix of the
+        store (no ``dist.new_group``: members-only creation of overlapping subgroups
+        hangs in torch's gloo). Call its ``_allgather_base``/``alltoall_base``
+        directly; it is not registered with torch.distributed."""
+        pg = self._member_pgs.get(device_type)
+        if pg is None:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore(f"{self._prefix}/pg/{device_type}", self._store)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if device_type == "cpu":
+                pg = dist.ProcessGroupGloo(store, self._rank, self.size, timeout)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(store, self._rank, self.size, opts)
+            self._member_pgs[device_type] = pg
+        return pg
 
     def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
         op = next(self._op)

@@ -57,8 +57,14 @@ class TorchBackend(Backend):
     def __init__(self, cfg: CommConfig, group: TorchStoreGroup, device: torch.device):
         self.cfg = cfg
         self.group = group
-        self.pg = group.process_group
         self.device = device
+        self.pg = group.process_group
+        # a tuple subgroup runs on a members-only group driven directly
+        self._direct = (
+            None
+            if self.pg is not None
+            else group.members_process_group(device.type, timeout_s=max(60.0, cfg.timeout_s))
+        )
         tp, n = cfg.tp_size, cfg.num_tokens_per_req
         rmax = cfg.max_pad_bs // tp
         self._seq = 0
@@ -144,11 +150,23 @@ class TorchBackend(Backend):
         self._seq += 1
         return [op, pad_bs, self.cfg.num_tokens_per_req, self._seq & 0x7FFFFFFF]
 
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self._direct is not None:
+            self._direct._allgather_base(out, inp).wait()
+        else:
+            _all_gather_single(out, inp, group=self.pg)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self._direct is not None:
+            self._direct.alltoall_base(out, inp, [], []).wait()
+        else:
+            dist.all_to_all_single(out, inp, group=self.pg)
+
     def _agree(self, op: int, pad_bs: int) -> None:
         """All-gather this op's header and raise on every rank if any differs."""
         mine = self._header(op, pad_bs)
         self._hdr_send.copy_(torch.tensor(mine, dtype=torch.int32))
-        _all_gather_single(self._hdr_recv, self._hdr_send, group=self.pg)
+        self._all_gather(self._hdr_recv, self._hdr_send)
         hdr = self._hdr_recv.view(self.cfg.tp_size, _HEADER).cpu()
         expect = torch.tensor(mine, dtype=torch.int32)
         bad = [r for r in range(self.cfg.tp_size) if not torch.equal(hdr[r], expect)]
@@ -171,7 +189,7 @@ class TorchBackend(Backend):
             self._agree(OP_SWAP, pad_bs)
             src = t.reshape(-1).view(torch.uint8)
             staging = self._staging[: src.numel()]
-            dist.all_to_all_single(staging, src, group=self.pg)
+            self._all_to_all(staging, src)
             out = self.out_swap[:rows]
             itemsize = out.element_size()
             staged = staging.view(tp, rows, vs * itemsize)
@@ -202,7 +220,7 @@ class TorchBackend(Backend):
             body[:, n : 2 * n].copy_(a)
             body[:, 2 * n].copy_(ln)
             recv = self._vo_recv[: tp * r * (2 * n + 1)]
-            _all_gather_single(recv, send, group=self.pg)
+            self._all_gather(recv, send)
             got = recv.view(tp * r, 2 * n + 1)
             op_, oa, ol = (
                 self.out_predict[:pad_bs],
@@ -232,10 +250,11 @@ class TorchBackend(Backend):
             send.view(torch.float32).copy_(lp.reshape(-1))
             out = self.out_logprobs[:pad_bs]
             # receive straight into the persistent output: rank-major rows are the layout
-            _all_gather_single(out.view(torch.int32).view(-1), send, group=self.pg)
+            self._all_gather(out.view(torch.int32).view(-1), send)
         return self._out(info.kind, "logprobs", pad_bs, out)
 
     def close(self) -> None:
+        self._direct = None
         self._views.clear()
         self._staging = None
         self.out_swap = None
