@@ -167,7 +167,23 @@ def run_threads(
 ) -> list[Any]:
     """Run ``body(rank, world_size, group, *args)`` on ``world_size`` threads of this
     process sharing a :class:`ThreadGroup`; re-raise the first failure with every
-    failing rank's traceback."""
+    failing rank's traceback.
+
+    Rules for bodies that drive one GPU from several rank threads:
+
+    * one stream per rank (``torch.cuda.set_stream(torch.cuda.Stream())``); two
+      ranks on one stream would serialise and wait for each other, so the one-sided
+      backend refuses it;
+    * ``CUDA_DEVICE_MAX_CONNECTIONS`` of at least the number of ranks (set to 32
+      here when CUDA is not initialised yet), so every stream has its own hardware
+      queue;
+    * every rank issues an op before any rank blocks on the host for its
+      completion: put ``group.barrier(...)`` between issuing ops and
+      ``synchronize()``/``.item()``/``torch.equal``. Without it we saw, on an H200
+      with 2 to 8 rank threads, a rank's kernel wait out the whole timeout for a
+      peer whose host thread had not issued the same op yet (cause not pinned
+      down: the blocked thread was inside a synchronising call).
+    """
     # Several spinning kernels on one GPU need their own hardware queues: with the
     # default 8 connections two ranks' streams can share one and deadlock until the
     # timeout. Effective only before CUDA initialises in this process.

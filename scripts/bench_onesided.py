@@ -88,12 +88,16 @@ def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode
             y = call()
             rows = pad_bs // tp * n
             ref = torch.cat([xs[s][rank * rows : (rank + 1) * rows] for s in range(tp)], dim=1)
+            # every rank issues the op before any rank blocks on its completion (see
+            # ipc_dpsample.testing.run_threads)
+            group.barrier(timeout_s=60, what="launched")
             stream.synchronize()
             comm.check()
             assert torch.equal(y, ref), "swap output differs from the reference"
             del xs
         for _ in range(3):
             call()
+        group.barrier(timeout_s=60, what="warm-up launched")
         stream.synchronize()
         graph = None
         if mode == "graph":
@@ -107,6 +111,7 @@ def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode
                     call()
             group.barrier(timeout_s=60, what="captured")
             graph.replay()
+            group.barrier(timeout_s=60, what="replay launched")
             stream.synchronize()
         times = []
         for _ in range(reps):
@@ -119,6 +124,7 @@ def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode
                 for _ in range(per_rep):
                     call()
             end.record(stream)
+            group.barrier(timeout_s=60, what="rep launched")
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / per_rep)  # us per op
         comm.check()
@@ -191,13 +197,41 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     tp = args.tp
-    rows = []
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit or os.environ.get("GIT_COMMIT", "?"),
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    print(f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU")
+    print(f"{'what':44s} {'mode':6s} {'median us':>10s} {'p10':>8s} {'p90':>8s}  extra")
+    rows: list[dict] = []
+
+    def show(r: dict) -> None:
+        rows.append(r)
+        st = r["us"]
+        extra = ""
+        if "ratio_to_copy" in r:
+            extra = (
+                f"{r['GBps']:.0f} GB/s; copy {r['copy_us']['median']:.1f} us = "
+                f"{r['copy_GBps']:.0f} GB/s; ratio to copy {r['ratio_to_copy']:.3f}"
+            )
+        print(
+            f"{r['what']:44s} {r['mode']:6s} {st['median']:10.2f} {st['p10']:8.2f} "
+            f"{st['p90']:8.2f}  {extra}",
+            flush=True,
+        )
+
     f32, bf16 = torch.float32, torch.bfloat16
     big = dict(op="swap", pad_bs=256, n=4, vocab=152064, dtype=f32)
     t = run_point(tp, mode="eager", reps=args.reps, per_rep=5, **big)
     nbytes = big["pad_bs"] * big["n"] * big["vocab"] * 4  # all ranks' inputs together
     c = copy_limit_us(nbytes, args.reps)
-    rows.append(
+    show(
         {
             "what": "swap pad_bs=256 N=4 V=152064 fp32",
             "tp": tp,
@@ -210,6 +244,17 @@ def main() -> int:
             "ratio_to_copy": statistics.median(c) / statistics.median(t),
         }
     )
+    for op in ("gather_outputs", "swap"):
+        h = host_overhead_us(op)
+        show(
+            {
+                "what": f"host time per eager {op} call (tp=1)",
+                "tp": 1,
+                "mode": "eager",
+                "bytes": 0,
+                "us": stats(h),
+            }
+        )
     for op, pad_bs, dtype in (
         ("swap", 8, bf16),
         ("gather_outputs", 64, bf16),
@@ -224,7 +269,7 @@ def main() -> int:
                 "gather_outputs": pad_bs * 9 * 4,
                 "gather_logprobs": pad_bs * 4 * 4,
             }[op]  # bytes of the whole result
-            rows.append(
+            show(
                 {
                     "what": f"{op} pad_bs={pad_bs} N=4"
                     + (" V=152064 bf16" if op == "swap" else ""),
@@ -234,41 +279,6 @@ def main() -> int:
                     "us": stats(t),
                 }
             )
-    for op in ("gather_outputs", "swap"):
-        h = host_overhead_us(op)
-        rows.append(
-            {
-                "what": f"host time per eager {op} call (tp=1)",
-                "tp": 1,
-                "mode": "eager",
-                "bytes": 0,
-                "us": stats(h),
-            }
-        )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit or os.environ.get("GIT_COMMIT", "?"),
-        "torch": torch.__version__,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-    }
-    print(f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU")
-    print(f"{'what':44s} {'mode':6s} {'median us':>10s} {'p10':>8s} {'p90':>8s}  extra")
-    for r in rows:
-        s = r["us"]
-        extra = ""
-        if "ratio_to_copy" in r:
-            extra = (
-                f"{r['GBps']:.0f} GB/s; copy {r['copy_us']['median']:.1f} us = "
-                f"{r['copy_GBps']:.0f} GB/s; ratio to copy {r['ratio_to_copy']:.3f}"
-            )
-        print(
-            f"{r['what']:44s} {r['mode']:6s} {s['median']:10.2f} {s['p10']:8.2f} "
-            f"{s['p90']:8.2f}  {extra}"
-        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "bench_onesided.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1)

@@ -174,7 +174,7 @@ def _alternating_body(rank, tp, group, n_ops, delays, results):
                     out = comm.gather_verify_logprobs(lp[rank].contiguous(), pad_bs=pad_bs)
                     ref = lp.reshape(-1, n)
                 if delays and rng.random() < 0.5:
-                    torch.cuda._sleep(rng.randint(0, 300_000))  # slow consumer
+                    torch.cuda._sleep(rng.randint(0, 4_000_000))  # slow consumer, up to ~2 ms
                 snap = out.clone()
                 # every rank has launched op i before anyone blocks on the GPU: a host
                 # thread waiting in a sync must never be what keeps a peer from launching
