@@ -916,8 +916,15 @@ class _RankCtx:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def settle(self, out: Any) -> Any:
+    def sync_all(self) -> None:
+        """Collective sync: rank threads sharing a GPU first agree that every rank
+        has issued its ops, then block (see ipc_dpsample.testing.run_threads)."""
+        if self.stream is not None and self.group is not None:
+            self.host.barrier(timeout_s=self.cfg.timeout_s, what="ops issued")
         self.sync()
+
+    def settle(self, out: Any) -> Any:
+        self.sync_all()
         return out
 
     def agree(self, ok: bool, what: str) -> bool:
@@ -977,7 +984,7 @@ def _time(ctx: _RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
 
     if calls > 1:
         body()  # the first replay uploads the graph
-        ctx.sync()
+        ctx.sync_all()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
     ctx.host.barrier(timeout_s=cfg.timeout_s, what="bench point")
@@ -985,7 +992,7 @@ def _time(ctx: _RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
         starts[i].record(ctx.stream)
         body()
         ends[i].record(ctx.stream)
-    ctx.sync()
+    ctx.sync_all()
     return [s.elapsed_time(e) / 1e3 / calls for s, e in zip(starts, ends, strict=True)]
 
 
@@ -1152,7 +1159,7 @@ def _bench_point(
                     note = f"WRONG RESULT: {diff}" if diff else ""
                 for _ in range(cfg.warmup):
                     fn()
-                ctx.sync()
+                ctx.sync_all()
             elif step == "timing":
                 samples[key] = _time(ctx, body, calls)
             else:

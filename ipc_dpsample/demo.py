@@ -451,7 +451,7 @@ class _OpRecord:
     mismatches: list[str] = field(default_factory=list)
 
 
-def _timer(cuda: bool, stream: Any) -> Any:
+def _timer(cuda: bool, stream: Any, issued: Any = None) -> Any:
     """A callable that times ``fn`` ``n`` times and returns seconds per call."""
     if not cuda:
 
@@ -473,6 +473,8 @@ def _timer(cuda: bool, stream: Any) -> Any:
             starts[i].record(stream)
             fn()
             ends[i].record(stream)
+        if issued is not None:
+            issued()
         ends[-1].synchronize()
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
 
@@ -540,11 +542,12 @@ def demo_rank(
             device=device,
             timeout_s=plan.timeout_s,
         )
+        issued = _issued(group, cuda, plan.timeout_s)
         try:
             for round_ in range(plan.rounds):
-                _verify_round(comm, plan, data(round_), device, records)
-            _time_ops(comm, plan, data(plan.rounds - 1), device, records, stream)
-            _verify_round(comm, plan, data(0), device, records)  # reused buffers still right
+                _verify_round(comm, plan, data(round_), device, records, issued)
+            _time_ops(comm, plan, data(plan.rounds - 1), device, records, stream, issued)
+            _verify_round(comm, plan, data(0), device, records, issued)  # reused buffers
         finally:
             comm.close()
     return {
@@ -566,23 +569,41 @@ def _tensors(d: RankData, plan: DemoPlan, device: Any) -> dict[str, Any]:
     }
 
 
+def _issued(group: Any, cuda: bool, timeout_s: float) -> Any:
+    """Rank threads sharing a GPU agree that every rank has issued an op before any
+    of them blocks on it (see ipc_dpsample.testing.run_threads); a no-op otherwise."""
+    if not cuda or group is None:
+        return lambda: None
+    return lambda: group.barrier(timeout_s=timeout_s, what="op issued")
+
+
 def _verify_round(
-    comm: Any, plan: DemoPlan, d: RankData, device: Any, records: dict[str, _OpRecord]
+    comm: Any,
+    plan: DemoPlan,
+    d: RankData,
+    device: Any,
+    records: dict[str, _OpRecord],
+    issued: Any,
 ) -> None:
     t = _tensors(d, plan, device)
     pad_bs = plan.pad_bs
     # Each output is copied to the host before the next op is issued (the contract).
-    got = to_numpy(comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs))
+    out = comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs)
+    issued()
+    got = to_numpy(out)
     _check(records["swap_batch_vocab"], "swapped logits", got, d.expect_swap)
     outs = comm.gather_verify_outputs(
         t["predict"], t["accept_index"], t["accept_length"], pad_bs=pad_bs
     )
+    issued()
     rec = records["gather_verify_outputs"]
     for name, out, exp in zip(
         ("predict", "accept_index", "accept_length"), outs, d.expect_outputs, strict=True
     ):
         _check(rec, name, to_numpy(out), exp)
-    got = to_numpy(comm.gather_verify_logprobs(t["logprobs"], pad_bs=pad_bs))
+    lp = comm.gather_verify_logprobs(t["logprobs"], pad_bs=pad_bs)
+    issued()
+    got = to_numpy(lp)
     _check(records["gather_verify_logprobs"], "logprobs", got, d.expect_logprobs)
 
 
@@ -600,10 +621,11 @@ def _time_ops(
     device: Any,
     records: dict[str, _OpRecord],
     stream: Any,
+    issued: Any = None,
 ) -> None:
     t = _tensors(d, plan, device)
     pad_bs = plan.pad_bs
-    timer = _timer(plan.device == "cuda", stream)
+    timer = _timer(plan.device == "cuda", stream, issued)
     calls = {
         "swap_batch_vocab": lambda: comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs),
         "gather_verify_outputs": lambda: comm.gather_verify_outputs(
