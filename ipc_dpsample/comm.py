@@ -18,7 +18,7 @@ from .config import (
     pack_record,
     unpack_record,
 )
-from .errors import DpSampleError
+from .errors import BackendUnavailableError, DpSampleError
 from .group import HostGroup, resolve_group
 from .identity import boot_id, cupy_device_count, gpu_uuid, host_id, nccl_available
 from .layout import Layout
@@ -289,7 +289,15 @@ class DpSamplingComm:
                     stacklevel=3,
                 )
         name, reason = select_backend(facts)
-        return name, reason, self._make_backend(name)
+        try:
+            backend = self._make_backend(name)
+        except BackendUnavailableError as exc:
+            if facts.requested != "auto":
+                raise
+            raise BackendUnavailableError(
+                f"backend='auto' chose {name} ({reason}), but it cannot run: {exc}"
+            ) from exc
+        return name, reason, backend
 
     def _make_backend(self, name: BackendName) -> Backend:
         if name == "torch":

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ipc_dpsample import DpSampleError, DpSamplingComm, ThreadGroup
+from ipc_dpsample import BackendUnavailableError, DpSampleError, DpSamplingComm, ThreadGroup
 from ipc_dpsample.arrays import describe
 from ipc_dpsample.backends.nccl import (
     ERROR_BYTES,
@@ -869,3 +869,35 @@ def test_auto_picks_nccl_for_a_simulated_two_host_group() -> None:
     reasons = _run(2, auto_two_hosts_body)
     for reason in reasons:
         assert reason.startswith("nccl: ") and "2 hosts" in reason, reason
+
+
+def auto_two_hosts_one_gpu_body(rank: int, world: int, group: Any) -> str:
+    """Two ranks on one GPU that claim different hosts: auto picks NCCL for the
+    right reason, and NCCL's refusal of two ranks on one GPU is reported with it."""
+    os.environ.pop("IPC_DPSAMPLE_BACKEND", None)
+    os.environ["IPC_DPSAMPLE_HOST_ID"] = f"simulated-host-{rank}"
+    try:
+        comm = _comm(
+            world, rank, group, device=0, dtype="float16", vocab=16 * world, backend="auto"
+        )
+    except BackendUnavailableError as exc:
+        return str(exc)
+    comm.close()
+    raise AssertionError("two ranks on one GPU built a NCCL communicator")
+
+
+@pytest.mark.multirank
+def test_auto_picks_nccl_for_a_simulated_two_host_group_on_one_gpu() -> None:
+    """The one-GPU form of the test above (NCCL itself needs one GPU per rank)."""
+    _require_gpus(1)
+    _require_torch_cuda()
+    msgs = run_ranks(
+        2,
+        auto_two_hosts_one_gpu_body,
+        timeout_s=300.0,
+        env={"IPC_DPSAMPLE_TEST_PG_BACKEND": "gloo"},
+    )
+    for msg in msgs:
+        assert "backend='auto' chose nccl" in msg, msg
+        assert "2 hosts" in msg, msg
+        assert "own GPU" in msg, msg
