@@ -5,12 +5,14 @@ NCCL. Logits travel as raw bytes (``uint8`` views), so every dtype moves
 bit-exactly on every process-group backend. The verify outputs are packed into
 one int32 all-gather.
 
-Mismatch check: every op starts with the same small collective, an all-gather of
-a 4-word header (op, pad_bs, N, op sequence). Because it has the same size for
-every op, ranks whose call sequences diverged (another op, another ``pad_bs``, a
-skipped op) meet in it and every rank raises
-:class:`~ipc_dpsample.errors.DpSampleError` before any data moves. It costs one
-small collective per op: the price of a portable path that never corrupts data.
+Mismatch check: every op starts with an all-gather of the same width, ``W = 4 +
+R_max*(2N+1)`` int32 words per rank, whose first 4 words are a header (op, pad_bs,
+N, op sequence). The gathers carry their payload in the rest of it (one collective
+each); the swap sends the header alone in it, then its all-to-all. Because that
+first collective has the same size for every op, ranks whose call sequences
+diverged (another op, another ``pad_bs``, a skipped op) meet in it, and every rank
+raises :class:`~ipc_dpsample.errors.DpSampleError` before any data lands in an
+output. The swap pays one small extra collective for it.
 """
 
 from __future__ import annotations
@@ -70,13 +72,10 @@ class TorchBackend(Backend):
         self._seq = 0
         self._logits_dtype: str | None = None
         kw: dict[str, Any] = {"device": device}
-        # verify outputs: [tp, R*(2N+1)] int32, received packed
-        self._vo_width = rmax * (2 * n + 1)
-        self._vo_send = torch.empty(self._vo_width, dtype=torch.int32, **kw)
-        self._vo_recv = torch.empty(tp * self._vo_width, dtype=torch.int32, **kw)
-        self._lp_send = torch.empty(rmax * n, dtype=torch.int32, **kw)
-        self._hdr_send = torch.empty(_HEADER, dtype=torch.int32, **kw)
-        self._hdr_recv = torch.empty(tp * _HEADER, dtype=torch.int32, **kw)
+        # every op's first collective: [tp, W] int32, header + packed gather payload
+        self._width = _HEADER + rmax * (2 * n + 1)
+        self._send = torch.zeros(self._width, dtype=torch.int32, **kw)
+        self._recv = torch.empty(tp * self._width, dtype=torch.int32, **kw)
         self.out_predict = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
         self.out_accept_index = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
         self.out_accept_length = torch.empty(cfg.max_pad_bs, dtype=torch.int32, **kw)
@@ -162,21 +161,25 @@ class TorchBackend(Backend):
         else:
             dist.all_to_all_single(out, inp, group=self.pg)
 
-    def _agree(self, op: int, pad_bs: int) -> None:
-        """All-gather this op's header and raise on every rank if any differs."""
+    def _exchange(self, op: int, pad_bs: int) -> torch.Tensor:
+        """All-gather ``self._send`` (its header set here) and raise on every rank if
+        any rank's header differs. Returns the received ``[tp, W]`` words."""
         mine = self._header(op, pad_bs)
-        self._hdr_send.copy_(torch.tensor(mine, dtype=torch.int32))
-        self._all_gather(self._hdr_recv, self._hdr_send)
-        hdr = self._hdr_recv.view(self.cfg.tp_size, _HEADER).cpu()
+        self._send[:_HEADER].copy_(torch.tensor(mine, dtype=torch.int32))
+        self._all_gather(self._recv, self._send)
+        got = self._recv.view(self.cfg.tp_size, self._width)
+        hdr = got[:, :_HEADER].cpu()
         expect = torch.tensor(mine, dtype=torch.int32)
-        bad = [r for r in range(self.cfg.tp_size) if not torch.equal(hdr[r], expect)]
-        if bad:
+        same = (hdr == expect).all(dim=1)
+        if not bool(same.all()):
+            bad = [r for r in range(self.cfg.tp_size) if not bool(same[r])]
             seen = {r: _describe_header(hdr[r].tolist()) for r in bad}
             raise DpSampleError(
                 f"rank {self.group.rank}: peers called a different op or pad_bs: expected "
                 f"{_describe_header(mine)}, got {seen}. The ranks' call sequences diverged; "
                 "this communicator must be closed"
             )
+        return got
 
     # -- collectives ---------------------------------------------------------------
     def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
@@ -186,7 +189,7 @@ class TorchBackend(Backend):
         rows = pad_bs // tp * n
         t = self._as_torch(x, info)
         with self._stream_ctx(stream):
-            self._agree(OP_SWAP, pad_bs)
+            self._exchange(OP_SWAP, pad_bs)
             src = t.reshape(-1).view(torch.uint8)
             staging = self._staging[: src.numel()]
             self._all_to_all(staging, src)
@@ -213,15 +216,12 @@ class TorchBackend(Backend):
         a = self._as_torch(accept_index, info)
         ln = self._as_torch(accept_length, info)
         with self._stream_ctx(stream):
-            self._agree(OP_GATHER_OUTPUTS, pad_bs)
-            send = self._vo_send[: r * (2 * n + 1)]
-            body = send.view(r, 2 * n + 1)
+            body = self._send[_HEADER : _HEADER + r * (2 * n + 1)].view(r, 2 * n + 1)
             body[:, :n].copy_(p)
             body[:, n : 2 * n].copy_(a)
             body[:, 2 * n].copy_(ln)
-            recv = self._vo_recv[: tp * r * (2 * n + 1)]
-            self._all_gather(recv, send)
-            got = recv.view(tp * r, 2 * n + 1)
+            got = self._exchange(OP_GATHER_OUTPUTS, pad_bs)[:, _HEADER : _HEADER + r * (2 * n + 1)]
+            got = got.reshape(tp * r, 2 * n + 1)
             op_, oa, ol = (
                 self.out_predict[:pad_bs],
                 self.out_accept_index[:pad_bs],
@@ -245,12 +245,10 @@ class TorchBackend(Backend):
         r = pad_bs // tp
         lp = self._as_torch(logprobs, info)
         with self._stream_ctx(stream):
-            self._agree(OP_GATHER_LOGPROBS, pad_bs)
-            send = self._lp_send[: r * n]
-            send.view(torch.float32).copy_(lp.reshape(-1))
+            self._send[_HEADER : _HEADER + r * n].view(torch.float32).copy_(lp.reshape(-1))
+            got = self._exchange(OP_GATHER_LOGPROBS, pad_bs)[:, _HEADER : _HEADER + r * n]
             out = self.out_logprobs[:pad_bs]
-            # receive straight into the persistent output: rank-major rows are the layout
-            self._all_gather(out.view(torch.int32).view(-1), send)
+            out.view(torch.int32).copy_(got.reshape(tp * r, n))
         return self._out(info.kind, "logprobs", pad_bs, out)
 
     def close(self) -> None:
