@@ -863,9 +863,15 @@ class _FakeNccl:
 class _FakeRuntime:
     def __init__(self, device: int):
         self.device = device
+        self.capturing: set[int] = set()  # stream handles under capture
+        self.capture_queries: list[int] = []
 
     def getDevice(self) -> int:
         return self.device
+
+    def streamIsCapturing(self, handle: int) -> int:
+        self.capture_queries.append(handle)
+        return 1 if handle in self.capturing else 0  # cudaStreamCaptureStatusActive
 
     def setDevice(self, device: int) -> None:
         raise AssertionError("the stand-in runtime has one device")
@@ -875,6 +881,23 @@ class _FakeRuntime:
 
     def freeHost(self, ptr: int) -> None:
         pass
+
+
+class _FakeEvent:
+    """A CuPy event: ``done`` is what the test sets; queries and records are counted."""
+
+    def __init__(self) -> None:
+        self.finished = True
+        self.queries = 0
+        self.records: list[int] = []  # stream handles
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        return self.finished
+
+    def record(self, stream: Any = None) -> None:
+        self.records.append(stream.handle)
 
 
 class _FakeCupy:
@@ -916,6 +939,7 @@ def host_backends(emulated: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         self._kernels = _emulated_kernels(emulated)
         self._host_error_block = np.zeros(ERROR_WORDS, dtype=np.int32)
         self._allocate()
+        self._event = _FakeEvent()
 
     def alloc(self: NcclBackend, name: str, nbytes: int) -> None:
         self._bufs[name] = np.full(max(1, nbytes), 0xA5, dtype=np.uint8).view(_HostBuf)
@@ -939,7 +963,7 @@ def host_backends(emulated: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(NcclBackend, "_alloc", alloc)
     monkeypatch.setattr(NcclBackend, "_alloc_error_block", alloc_error_block)
     monkeypatch.setattr(NcclBackend, "_view", view)
-    monkeypatch.setattr(nb, "_cupy_stream", lambda handle, device: None)
+    monkeypatch.setattr(nb, "_cupy_stream", lambda handle, device: nb._StreamHandle(handle))
     monkeypatch.setattr(nb, "gpu_uuid", lambda device: "")
 
     def make(world: int, body: Any, *, route_self: bool = False, **cfg_kw: Any) -> list[Any]:
@@ -969,7 +993,14 @@ def host_backends(emulated: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _swap_and_check(
-    backend: NcclBackend, rank: int, world: int, pad_bs: int, vs: int, dtype: str, seed: int
+    backend: NcclBackend,
+    rank: int,
+    world: int,
+    pad_bs: int,
+    vs: int,
+    dtype: str,
+    seed: int,
+    stream: Any = None,
 ) -> None:
     from ipc_dpsample.arrays import describe
 
@@ -981,13 +1012,15 @@ def _swap_and_check(
         for _ in range(world)
     ]
     x = inputs[rank]
-    out = backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, stream=None)
+    out = backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, stream=stream)
     expected = reference_swap_batch_vocab(inputs, tp=world, num_tokens_per_req=n, pad_bs=pad_bs)
     np.testing.assert_array_equal(out, expected[rank])
     out[...] = 0x7E7E  # poison for the next call
 
 
-def _gathers_and_check(backend: NcclBackend, rank: int, world: int, pad_bs: int, seed: int) -> None:
+def _gathers_and_check(
+    backend: NcclBackend, rank: int, world: int, pad_bs: int, seed: int, stream: Any = None
+) -> None:
     from ipc_dpsample.arrays import describe
 
     rng = np.random.default_rng(seed)
@@ -1001,12 +1034,12 @@ def _gathers_and_check(backend: NcclBackend, rank: int, world: int, pad_bs: int,
     ln = [ints(r) for _ in range(world)]
     lp = [ints(r, n).view(np.float32) for _ in range(world)]
     outs = backend.gather_verify_outputs(
-        p[rank], a[rank], ln[rank], describe(p[rank]), pad_bs=pad_bs, stream=None
+        p[rank], a[rank], ln[rank], describe(p[rank]), pad_bs=pad_bs, stream=stream
     )
     for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
         np.testing.assert_array_equal(got, want)
         got[...] = -1
-    olp = backend.gather_verify_logprobs(lp[rank], describe(lp[rank]), pad_bs=pad_bs, stream=None)
+    olp = backend.gather_verify_logprobs(lp[rank], describe(lp[rank]), pad_bs=pad_bs, stream=stream)
     np.testing.assert_array_equal(olp.view(np.int32), np.concatenate(lp).view(np.int32))
     olp.view(np.int32)[...] = -1
 
@@ -1115,3 +1148,86 @@ def test_host_path_close_destroys_and_frees(host_backends: Any) -> None:
 
     host_backends(2, body, vocab_size=4, logits_dtype="float16")
     assert all(log[-1] == ("destroy", -1, 0) for log in logs)
+
+
+# -- one op in flight per communicator (DESIGN.md point 9) ------------------------------------
+A, B = 0x1000, 0x2000  # two stream handles
+
+
+def _swap_op(backend: NcclBackend, stream: int) -> Any:
+    from ipc_dpsample.arrays import describe
+
+    x = np.ones((backend.cfg.max_pad_bs * backend.cfg.num_tokens_per_req, 4), dtype=np.uint16)
+    return backend.swap_batch_vocab(x, describe(x), pad_bs=backend.cfg.max_pad_bs, stream=stream)
+
+
+def _gather_op(backend: NcclBackend, stream: int) -> Any:
+    from ipc_dpsample.arrays import describe
+
+    lp = np.zeros((backend.cfg.max_pad_bs // backend.tp, 3), dtype=np.float32)
+    return backend.gather_verify_logprobs(
+        lp, describe(lp), pad_bs=backend.cfg.max_pad_bs, stream=stream
+    )
+
+
+@pytest.mark.parametrize("op", [_swap_op, _gather_op])
+def test_second_stream_refused_while_previous_op_in_flight(host_backends: Any, op: Any) -> None:
+    def body(rank: int, backend: NcclBackend, log: list[Any]) -> None:
+        event = backend._event
+        _swap_and_check(backend, rank, 2, 4, 5, "float16", seed=0, stream=A)
+        assert event.records == [A] and event.queries == 0
+        event.finished = False  # A's op still runs on the GPU
+        log.clear()
+        with pytest.raises(DpSampleError) as info:
+            op(backend, B)
+        msg = str(info.value)
+        assert msg.startswith(f"rank {rank}: op issued on stream 0x2000 while this ")
+        assert "previous op on stream 0x1000 is still in flight: one op at a time" in msg
+        assert log == []  # refused before any NCCL call or kernel
+        assert event.records == [A] and event.queries == 1
+        event.finished = True  # the caller synchronised
+        _swap_and_check(backend, rank, 2, 4, 5, "float16", seed=1, stream=B)
+        _gathers_and_check(backend, rank, 2, 4, seed=2, stream=B)
+        assert event.records == [A, B, B, B]
+        assert event.queries == 2  # once more for the change A -> B, not per op on B
+        backend.check()
+
+    host_backends(2, body, vocab_size=10, logits_dtype="float16")
+
+
+def test_same_stream_never_queries_the_event(host_backends: Any) -> None:
+    def body(rank: int, backend: NcclBackend, log: Any) -> None:
+        event = backend._event
+        event.finished = False  # would refuse any stream change
+        for step in range(3):
+            _swap_and_check(backend, rank, 2, 4, 5, "bfloat16", seed=step, stream=A)
+            _gathers_and_check(backend, rank, 2, 4, seed=10 + step, stream=A)
+        assert event.queries == 0
+        assert event.records == [A] * 9  # one record per op, nothing else
+        backend.check()
+
+    host_backends(2, body, vocab_size=10, logits_dtype="bfloat16")
+
+
+def test_capture_neither_queries_nor_records(host_backends: Any) -> None:
+    def body(rank: int, backend: NcclBackend, log: Any) -> None:
+        event, runtime = backend._event, backend._runtime
+        _swap_op(backend, A)
+        event.finished = False
+        runtime.capturing.add(B)
+        log.clear()
+        for op in (_swap_op, _gather_op, _gather_op):  # another stream, but being captured
+            op(backend, B)
+        assert log  # the NCCL calls were issued (captured)
+        assert event.queries == 0 and event.records == [A]
+        assert runtime.capture_queries == [A, B, B, B]
+        runtime.capturing.clear()
+        # the capture did not move the reference: an eager op on B is checked against A's
+        with pytest.raises(DpSampleError, match=r"stream 0x2000 .* on stream 0x1000 is still"):
+            _swap_op(backend, B)
+        assert event.queries == 1
+        event.finished = True
+        _swap_op(backend, B)
+        assert event.records == [A, B]
+
+    host_backends(2, body, vocab_size=8, logits_dtype="float16")

@@ -64,9 +64,18 @@ rank and a gather on another, a dead peer) make NCCL wait forever; NCCL has no
 timeout of its own. Use ``check()`` (``ncclCommGetAsyncError``) from a watchdog,
 and prefer the one-sided backend within one host, whose waits are bounded.
 
-One op at a time per communicator: the staging and gather buffers are shared by
-all ops, so ops issued on different streams must be ordered by the caller (as NCCL
-itself requires every rank to issue its ops in one order).
+One op at a time per communicator (DESIGN.md point 9): the staging and gather
+buffers are shared by all ops, so an op issued on another stream while this
+communicator's previous op is still in flight raises
+:class:`~ipc_dpsample.errors.DpSampleError` naming both streams, before anything is
+launched. After every op an event is recorded on its stream; only when the stream
+differs from the previous op's is the event queried (``cudaEventQuery``, no sync),
+so ops on one stream cost one event record each. While a stream is being captured
+into a CUDA graph nothing is queried or recorded (the captured op does not run
+then, and querying an event recorded under capture is illegal); the first op after
+that is still checked against the last op that ran eagerly. Synchronise the
+streams (or use one communicator per stream) to move ops between streams; NCCL
+itself also requires every rank to issue its ops in one order.
 
 Lifetime: :meth:`NcclBackend.close` waits (bounded) for every rank at a host
 barrier, then destroys the communicator; if a peer is gone it aborts instead and
@@ -563,6 +572,8 @@ class NcclBackend(Backend):
         self._swap_plans: dict[int, _SwapPlan] = {}
         self._gather_plans: dict[tuple[int, int], _GatherPlan] = {}
         self._logits_dtype: str | None = None
+        self._event: Any = None  # recorded after every op not under capture
+        self._last_stream: int | None = None  # stream of the last op that recorded it
         n, tp = cfg.num_tokens_per_req, cfg.tp_size
         self._rmax = cfg.max_pad_bs // tp
         self._width = packed_width(cfg.max_pad_bs, tp, n)
@@ -632,6 +643,7 @@ class NcclBackend(Backend):
         with cupy.cuda.Device(self.device):
             self._kernels = {name: get_kernel(SOURCE, name, self.device) for name in KERNEL_NAMES}
             self._allocate()
+            self._event = cupy.cuda.Event(block=False, disable_timing=True)
 
     def _allocate(self) -> None:
         """Every persistent buffer (zeroed) and the host-mapped error block."""
@@ -748,6 +760,24 @@ class NcclBackend(Backend):
             self._streams[handle] = s
         return s
 
+    def _begin(self, handle: int) -> bool:
+        """Refuse an op on another stream while the previous op is in flight; return
+        True when ``handle`` is being captured into a CUDA graph."""
+        capturing = self._runtime.streamIsCapturing(handle) != 0
+        last = self._last_stream
+        if last != handle and last is not None and not capturing and not self._event.done:
+            raise DpSampleError(
+                f"rank {self.rank}: op issued on stream {handle:#x} while this communicator's "
+                f"previous op on stream {last:#x} is still in flight: one op at a time per "
+                "communicator (synchronise the streams, or use one communicator per stream)"
+            )
+        return capturing
+
+    def _end(self, handle: int, cstream: Any, capturing: bool) -> None:
+        if not capturing:
+            self._event.record(cstream)
+            self._last_stream = handle
+
     def _view(
         self, kind: ArrayKind, key: str, pad_bs: int, shape: tuple[int, ...], dtype: str
     ) -> Any:
@@ -825,8 +855,9 @@ class NcclBackend(Backend):
     # -- collectives -----------------------------------------------------------------------
     def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
         self._raise_if_error()
-        plan = self._swap_plan(pad_bs)
         handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        plan = self._swap_plan(pad_bs)
         cstream = self._stream(handle)
         x_ptr = info.ptr
         tp, rank, chunk = self.tp, self.rank, plan.chunk
@@ -868,6 +899,7 @@ class NcclBackend(Backend):
                 (self._ptr["out_swap"], self._ptr["staging"], self_src, *tail),
                 stream=cstream,
             )
+            self._end(handle, cstream, capturing)
         finally:
             if prev != self.device:
                 rt.setDevice(prev)
@@ -884,8 +916,9 @@ class NcclBackend(Backend):
         stream: Any,
     ) -> None:
         self._raise_if_error()
-        plan = self._gather_plan(op, pad_bs)
         handle = resolve_stream(kind, stream, self.device)
+        capturing = self._begin(handle)
+        plan = self._gather_plan(op, pad_bs)
         cstream = self._stream(handle)
         slot = self._ptr["grecv"] + self.rank * self._width * 4
         rt = self._runtime
@@ -906,6 +939,7 @@ class NcclBackend(Backend):
             except nccl.NcclError as exc:
                 raise self._nccl_error(f"allGather of {OP_NAMES[op]}", exc) from exc
             k["nccl_unpack"]((plan.unpack_grid,), (_BLOCK,), plan.unpack_args, stream=cstream)
+            self._end(handle, cstream, capturing)
         finally:
             if prev != self.device:
                 rt.setDevice(prev)
