@@ -332,8 +332,10 @@ class OnesidedBackend(Backend):
         return capturing
 
     def _end(self, handle: int, capturing: bool) -> None:
-        self._last_stream = handle
+        # a captured op runs later, at replay: it must not change which stream (and
+        # which in-flight event) the next eager op is compared with
         if not capturing:
+            self._last_stream = handle
             self._event.record(self._stream(handle))
             self._event_recorded = True
 
