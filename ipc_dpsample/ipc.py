@@ -170,7 +170,7 @@ def injected_failure(stage: str, rank: int) -> bool:
     return False
 
 
-def open_peer(rec: IpcRecord, my_rank: int) -> int:
+def open_peer(rec: IpcRecord, my_rank: int, my_device: int = -1) -> int:
     """Device address of a peer's arena in this process: the raw pointer for a
     same-process peer (IPC cannot open a handle in its own process), else the
     opened handle (lazy peer access)."""
@@ -179,8 +179,43 @@ def open_peer(rec: IpcRecord, my_rank: int) -> int:
     if injected_failure("open", my_rank):
         raise DpSampleError(f"injected IPC open failure on rank {my_rank} ({ENV_FAIL})")
     if rec.pid == os.getpid():
+        # same process: the raw pointer, but a peer on another GPU needs peer access
+        # enabled explicitly (IPC's lazy flag only covers opened handles)
+        _enable_peer_access(my_device, rec.gpu_uuid)
         return rec.base_ptr
     return int(runtime.ipcOpenMemHandle(rec.handle, runtime.cudaIpcMemLazyEnablePeerAccess))
+
+
+def _enable_peer_access(device: int, peer_uuid: str) -> None:
+    """Enable access from ``device`` to the GPU ``peer_uuid`` (a no-op for the same
+    GPU; "already enabled" is fine).
+
+    Raises
+    ------
+    DpSampleError
+        The peer GPU is not visible, or the driver says the pair cannot do P2P.
+    """
+    from cupy.cuda import runtime
+
+    from .identity import gpu_uuid
+
+    if device < 0 or peer_uuid == gpu_uuid(device):
+        return
+    peer = next((d for d in range(runtime.getDeviceCount()) if gpu_uuid(d) == peer_uuid), None)
+    if peer is None:
+        raise DpSampleError(f"peer GPU {peer_uuid} is not visible to this process")
+    if not runtime.deviceCanAccessPeer(device, peer):
+        raise DpSampleError(f"GPU {device} cannot access GPU {peer} peer-to-peer")
+    prev = runtime.getDevice()
+    try:
+        runtime.setDevice(device)
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as exc:
+            if "PeerAccessAlreadyEnabled" not in str(exc):
+                raise
+    finally:
+        runtime.setDevice(prev)
 
 
 def close_peer(ptr: int, rec: IpcRecord) -> None:

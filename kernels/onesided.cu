@@ -71,8 +71,9 @@ __device__ __forceinline__ u64 globaltimer_ns() {
 // the communicator broken so later launches do nothing.
 __device__ void report_error(ErrorBlock* err, u32* ctrl, u32 code, u32 rank, u32 peer, u32 op,
                              u32 expected, u64 seen) {
+  // claim first: only one thread (of every kernel of this rank) writes the record
+  if (atomicCAS(&ctrl[CTRL_BROKEN], 0u, code) != 0u) return;
   volatile ErrorBlock* e = err;
-  if (e->code != 0) return;
   e->rank = rank;
   e->peer = peer;
   e->op = op;
@@ -80,9 +81,8 @@ __device__ void report_error(ErrorBlock* err, u32* ctrl, u32 code, u32 rank, u32
   e->seen_sig = (u32)(seen & 0xffffffffull);
   e->seen = seen;
   __threadfence_system();
-  e->code = code;
+  e->code = code;  // written last: the host reads the fields once it sees a code
   __threadfence_system();
-  ((volatile u32*)ctrl)[CTRL_BROKEN] = code;
 }
 
 // Wait until flags[parity][src] carries epoch `e`; check its signature.

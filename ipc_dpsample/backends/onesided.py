@@ -61,6 +61,9 @@ SOURCE = "onesided.cu"
 SWAP_BLOCK = int(os.environ.get("IPC_DPSAMPLE_SWAP_BLOCK", "512"))
 SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
 GATHER_BLOCK = 512
+_EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
+if SWAP_BLOCK < 32 or SWAP_BLOCK % 32 or SWAP_BLOCK > 1024:
+    raise ValueError(f"IPC_DPSAMPLE_SWAP_BLOCK={SWAP_BLOCK} must be a multiple of 32 in [32, 1024]")
 #: Test hook: IPC_DPSAMPLE_TEST_SINGLE_BUFFER=1 makes every op use one data region
 #: (the original design's race); tests use it to prove the race is real and absent.
 ENV_SINGLE_BUFFER = "IPC_DPSAMPLE_TEST_SINGLE_BUFFER"
@@ -112,6 +115,9 @@ def setup_onesided(
     from cupy.cuda import runtime
 
     tp, rank = cfg.tp_size, cfg.rank
+    if tp > min(SWAP_BLOCK, GATHER_BLOCK):
+        # thread t signals and waits for peer t: a CTA needs at least tp threads
+        return None, f"tp_size={tp} exceeds the kernels' {min(SWAP_BLOCK, GATHER_BLOCK)} threads"
     itemsize = ITEMSIZE[cfg.logits_dtype] if cfg.logits_dtype else 4
     layout = ArenaLayout(tp, cfg.max_pad_bs, cfg.num_tokens_per_req, cfg.vocab_size, itemsize)
     me = records[rank]
@@ -166,7 +172,7 @@ def setup_onesided(
         opened: list[int] = []
         try:
             for prec in peer_recs:
-                opened.append(open_peer(prec, rank))
+                opened.append(open_peer(prec, rank, device))
             table = upload_u64_table(opened, device)
             probe = get_kernel(SOURCE, "dp_probe_write", device)
             for dst, base in enumerate(opened):
@@ -210,18 +216,24 @@ def _teardown(
     timeout_s: float,
 ) -> None:
     """Barrier, close peer mappings, barrier, free (freeing while a peer still maps
-    the arena is undefined behaviour). A barrier that times out (dead peer) is
-    reported as a warning and teardown goes on."""
+    the arena is undefined behaviour). A barrier that times out (dead or stalled
+    peer) is reported as a warning; the mappings are still closed, but the arena
+    is then kept (leaked) rather than freed under a peer that may still write it."""
+    device = arena.device if arena is not None else None
     try:
-        from cupy.cuda import runtime
+        from cupy.cuda import Device, runtime
 
-        runtime.deviceSynchronize()
+        if device is not None:
+            with Device(device):
+                runtime.deviceSynchronize()
     except Exception:
         pass
+    clean = True
     for what in ("teardown: before close", "teardown: after close"):
         try:
             group.barrier(timeout_s=timeout_s, what=what)
         except DpSampleError as exc:
+            clean = False
             warnings.warn(f"ipc_dpsample: {exc}; continuing teardown", RuntimeWarning, stacklevel=3)
         if what.endswith("before close"):
             for ptr, prec in zip(opened, peer_recs, strict=False):
@@ -235,7 +247,15 @@ def _teardown(
                     )
             opened.clear()
     if arena is not None:
-        arena.free()
+        if clean:
+            arena.free()
+        else:
+            warnings.warn(
+                f"ipc_dpsample: keeping this rank's arena ({arena.nbytes} bytes) allocated: "
+                "a peer missed the teardown barrier and may still write into it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 class OnesidedBackend(Backend):
@@ -316,6 +336,12 @@ class OnesidedBackend(Backend):
             raise self._error
         if self.arena.error_code():
             self.check()
+        if self._host_epoch >= _EPOCH_LIMIT:
+            self._error = DpSampleError(
+                f"this communicator issued {self._host_epoch} ops; its 32-bit epoch would wrap "
+                "into stale packets: close it and build a new one"
+            )
+            raise self._error
         capturing = self._runtime.streamIsCapturing(handle) != 0
         if capturing:
             self._graphed = True
@@ -390,7 +416,11 @@ class OnesidedBackend(Backend):
         capturing = self._begin(handle)
         grid, tail = self._swap_plan(pad_bs)
         s = self._stream(handle)
-        self._swap((grid,), (SWAP_BLOCK,), (info.ptr, *tail), stream=s)
+        try:
+            self._swap((grid,), (SWAP_BLOCK,), (info.ptr, *tail), stream=s)
+        except Exception as exc:
+            self._error = DpSampleError(f"swap launch failed ({exc}); close this communicator")
+            raise self._error from exc
         cfg, lay = self.cfg, self.layout
         dtype = self._logits_dtype
         assert dtype is not None
@@ -471,9 +501,13 @@ class OnesidedBackend(Backend):
         handle = resolve_stream(info.kind, stream, self.device)
         capturing = self._begin(handle)
         plan = self._gather_plan(kind, pad_bs)
+        try:
+            self._gather((1,), (GATHER_BLOCK,), (*ptrs, *plan), stream=self._stream(handle))
+        except Exception as exc:
+            self._error = DpSampleError(f"gather launch failed ({exc}); close this communicator")
+            raise self._error from exc
         if not self._graphed:
             self._host_epoch += 1
-        self._gather((1,), (GATHER_BLOCK,), (*ptrs, *plan), stream=self._stream(handle))
         self._end(handle, capturing)
         return capturing
 
