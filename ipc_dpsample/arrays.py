@@ -18,6 +18,8 @@ __all__ = [
     "ITEMSIZE",
     "ArrayInfo",
     "ArrayKind",
+    "StreamHandle",
+    "cupy_stream",
     "describe",
     "make_view",
     "normalize_dtype",
@@ -337,3 +339,26 @@ def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
         f"unsupported stream {stream!r}; expected None, a torch or CuPy stream, an object "
         "with __cuda_stream__, or an int handle"
     )
+
+
+class StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int, device: int) -> Any:
+    """A CuPy stream object for the raw handle: ``Stream.from_external`` in CuPy 14
+    (``ExternalStream`` is deprecated there), ``ExternalStream`` before."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device)

@@ -94,7 +94,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, describe, make_view, resolve_stream
+from ..arrays import (
+    ITEMSIZE,
+    ArrayInfo,
+    ArrayKind,
+    StreamHandle,
+    cupy_stream,
+    describe,
+    make_view,
+    resolve_stream,
+)
 from ..config import CommConfig
 from ..errors import BackendUnavailableError, DpSampleError
 from ..group import HostGroup
@@ -473,25 +482,8 @@ def _linear_grid(total: int) -> int:
 
 
 # -- small runtime helpers -------------------------------------------------------------
-class _StreamHandle:
-    """A raw ``cudaStream_t`` behind the CUDA stream protocol."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-
-def _cupy_stream(handle: int, device: int) -> Any:
-    import cupy
-
-    stream_cls = cupy.cuda.Stream
-    if hasattr(stream_cls, "from_external"):  # CuPy >= 14; ExternalStream is deprecated there
-        return stream_cls.from_external(_StreamHandle(handle))
-    return cupy.cuda.ExternalStream(handle, device)
+_StreamHandle = StreamHandle
+_cupy_stream = cupy_stream
 
 
 def _array_ptr(kind: ArrayKind, x: Any) -> int:

@@ -31,7 +31,7 @@ import struct
 import warnings
 from typing import Any
 
-from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, make_view, resolve_stream
+from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, cupy_stream, make_view, resolve_stream
 from ..config import CommConfig, PeerRecord
 from ..errors import DpSampleError, PeerTimeoutError
 from ..group import HostGroup
@@ -325,7 +325,7 @@ class OnesidedBackend(Backend):
     def _stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
         if s is None:
-            s = external_stream(handle, self.device)
+            s = cupy_stream(handle, self.device)
             self._streams[handle] = s
         return s
 
@@ -593,27 +593,6 @@ class OnesidedBackend(Backend):
         self._streams.clear()
         _teardown(self.group, self.arena, self._opened, self._peer_recs, self.cfg.timeout_s)
         self._table = None
-
-
-class _StreamRef:
-    """A raw ``cudaStream_t`` exposed through the ``__cuda_stream__`` protocol."""
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-
-def external_stream(handle: int, device: int) -> Any:
-    """A CuPy stream object wrapping the raw handle (``Stream.from_external`` in
-    CuPy 14, ``ExternalStream`` before)."""
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamRef(handle))
-    return cupy.cuda.ExternalStream(handle, device)
 
 
 def _ptr(x: Any, kind: ArrayKind) -> int:
