@@ -27,30 +27,12 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from . import __version__
+from .launch import LAUNCHER_VARS
 
 __all__ = ["build_parser", "launcher_variables", "main"]
 
-#: Variables a launcher sets per rank (see :mod:`ipc_dpsample.launch`).
-_LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "PMIX_RANK",
-    "MPI_LOCALRANKID",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "GROUP_WORLD_SIZE",
-)
+#: Variables a launcher sets per rank (one list, in :mod:`ipc_dpsample.launch`).
+_LAUNCHER_VARS = LAUNCHER_VARS
 #: torchrun's agent variables: with ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited,
 #: the ranks this tool spawns would wait for a store that nobody serves.
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_",)

@@ -12,11 +12,23 @@ import datetime
 import os
 import socket
 
-__all__ = ["free_port", "init_distributed", "launched_world"]
+__all__ = ["LAUNCHER_VARS", "free_port", "init_distributed", "launched_world"]
 
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 _SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 _LOCAL_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+#: Every variable a launcher (torchrun, mpirun, srun) sets per rank: the ones read
+#: above plus torchrun's group/role bookkeeping.
+LAUNCHER_VARS = (
+    *_RANK_VARS,
+    *_SIZE_VARS,
+    *_LOCAL_VARS,
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+)
 
 
 def _first(names: tuple[str, ...]) -> int | None:
