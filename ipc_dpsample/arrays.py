@@ -314,6 +314,9 @@ def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
         if kind is ArrayKind.TORCH:
             import torch
 
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None:  # the handle alone: no Python Stream object per call
+                return int(raw(device))
             return int(torch.cuda.current_stream(device).cuda_stream)
         if kind is ArrayKind.CUPY:
             import cupy
