@@ -59,7 +59,10 @@ __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+// acq_rel is enough for the release/acquire patterns here (data stores, then a
+// counter bump or a flag store; a flag load, then data loads); sc would also order
+// unrelated stores and costs more.
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ u64 globaltimer_ns() {
   u64 t;
@@ -113,10 +116,13 @@ __device__ u32 wait_flag(const u64* flag, u32 e, u32 sig, u64 timeout_ns, ErrorB
 }
 
 // Block-wide copy of n bytes using the widest vector the relative alignment of
-// dst and src allows: scalar head until dst is aligned, vector body (4-way
-// unrolled for memory-level parallelism), scalar tail.
+// dst and src allows: scalar head until dst is aligned, vector body, scalar tail.
+// The body issues UNROLL loads per thread before any store (memory-level
+// parallelism: a CTA copies a 32 KiB tile in one round trip), with the tail of
+// the last round predicated instead of falling back to one load at a time.
 template <typename V>
 __device__ __forceinline__ void copy_block_vec(char* dst, const char* src, u64 n) {
+  constexpr int UNROLL = 4;
   const u64 A = sizeof(V);
   u64 head = (A - ((u64)dst & (A - 1))) & (A - 1);
   if (head > n) head = n;
@@ -125,18 +131,15 @@ __device__ __forceinline__ void copy_block_vec(char* dst, const char* src, u64 n
   V* dv = (V*)(dst + head);
   const V* sv = (const V*)(src + head);
   const u64 bd = blockDim.x;
-  u64 i = threadIdx.x;
-  for (; i + 3 * bd < nv; i += 4 * bd) {
-    V a = sv[i];
-    V b = sv[i + bd];
-    V c = sv[i + 2 * bd];
-    V d = sv[i + 3 * bd];
-    dv[i] = a;
-    dv[i + bd] = b;
-    dv[i + 2 * bd] = c;
-    dv[i + 3 * bd] = d;
+  for (u64 i = threadIdx.x; i < nv; i += UNROLL * bd) {
+    V r[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k)
+      if (i + k * bd < nv) r[k] = sv[i + k * bd];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k)
+      if (i + k * bd < nv) dv[i + k * bd] = r[k];
   }
-  for (; i < nv; i += bd) dv[i] = sv[i];
   for (u64 k = head + nv * A + threadIdx.x; k < n; k += bd) dst[k] = src[k];
 }
 
@@ -172,8 +175,8 @@ __device__ void swap_copy_out(const u32* ctrl, u64 swap_base, u64 swap_region_by
   copy_block((char*)out_ptr + begin, src + begin, n);
 }
 
-// swap_batch_vocab: one launch. CTA b handles (destination, row, chunk); rows for
-// the own rank stay local. Every CTA fences and bumps the local counter; the
+// swap_batch_vocab: one launch. CTAs stride over the tiles (destination, row,
+// chunk); rows for the own rank stay local. Every CTA fences and bumps the local counter; the
 // last CTA alone signals the peers (thread t -> peer t) and waits for them.
 extern "C" __global__ void dp_swap_push(
     u64 src_ptr,          // local_logits [pad_bs*N, Vs] (bytes: shard_bytes per row)
@@ -206,22 +209,26 @@ extern "C" __global__ void dp_swap_push(
   const u64 parity = e & 1u;
   const u64 dparity = parity & data_parity_mask;
 
+  // tiles (destination, row, chunk), grid-stride: the host launches at most a few
+  // CTAs per SM, so each CTA's fence and counter bump is paid once, not per tile
   const i64 per_dest = rows_per_dest * chunks_per_row;
-  const i64 b = blockIdx.x;
-  const i64 di = b / per_dest;
-  const i64 rem = b - di * per_dest;
-  const i64 row = rem / chunks_per_row;
-  const i64 chunk = rem - row * chunks_per_row;
-  // rotate destinations so ranks do not all target the same peer at once
-  const i64 dest = (rank + 1 + di) % tp;
-  const i64 c0 = chunk * chunk_bytes;
-  i64 n = shard_bytes - c0;
-  if (n > chunk_bytes) n = chunk_bytes;
-  if (n > 0) {
-    const char* s = (const char*)src_ptr + (dest * rows_per_dest + row) * shard_bytes + c0;
-    char* d = (char*)(peers[dest] + swap_off + dparity * swap_region_bytes) +
-              row * row_bytes_out + rank * shard_bytes + c0;
-    copy_block(d, s, (u64)n);
+  const i64 tiles = tp * per_dest;
+  for (i64 b = blockIdx.x; b < tiles; b += gridDim.x) {
+    const i64 di = b / per_dest;
+    const i64 rem = b - di * per_dest;
+    const i64 row = rem / chunks_per_row;
+    const i64 chunk = rem - row * chunks_per_row;
+    // rotate destinations so ranks do not all target the same peer at once
+    const i64 dest = (rank + 1 + di) % tp;
+    const i64 c0 = chunk * chunk_bytes;
+    i64 n = shard_bytes - c0;
+    if (n > chunk_bytes) n = chunk_bytes;
+    if (n > 0) {
+      const char* s = (const char*)src_ptr + (dest * rows_per_dest + row) * shard_bytes + c0;
+      char* d = (char*)(peers[dest] + swap_off + dparity * swap_region_bytes) +
+                row * row_bytes_out + rank * shard_bytes + c0;
+      copy_block(d, s, (u64)n);
+    }
   }
 
   __shared__ u32 last;
