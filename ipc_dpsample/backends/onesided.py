@@ -31,7 +31,7 @@ import struct
 import warnings
 from typing import Any
 
-from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, cupy_stream, make_view, resolve_stream
+from ..arrays import ITEMSIZE, ArrayInfo, ArrayKind, make_view, resolve_stream
 from ..config import CommConfig, PeerRecord
 from ..errors import DpSampleError, PeerTimeoutError
 from ..group import HostGroup
@@ -60,15 +60,79 @@ __all__ = ["OnesidedBackend", "setup_onesided"]
 SOURCE = "onesided.cu"
 SWAP_BLOCK = int(os.environ.get("IPC_DPSAMPLE_SWAP_BLOCK", "512"))
 SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
+#: swap CTAs per SM (the kernel strides over its tiles, so this caps the grid)
+SWAP_CTAS_PER_SM = int(os.environ.get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "2"))
 GATHER_BLOCK = 512
 _EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
 if SWAP_BLOCK < 32 or SWAP_BLOCK % 32 or SWAP_BLOCK > 1024:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_BLOCK={SWAP_BLOCK} must be a multiple of 32 in [32, 1024]")
+if SWAP_CHUNK < 16 or SWAP_CHUNK % 16:
+    raise ValueError(f"IPC_DPSAMPLE_SWAP_CHUNK={SWAP_CHUNK} must be a positive multiple of 16")
+if not 1 <= SWAP_CTAS_PER_SM <= 32:
+    raise ValueError(f"IPC_DPSAMPLE_SWAP_CTAS_PER_SM={SWAP_CTAS_PER_SM} must be in [1, 32]")
 #: Test hook: IPC_DPSAMPLE_TEST_SINGLE_BUFFER=1 makes every op use one data region
 #: (the original design's race); tests use it to prove the race is real and absent.
 ENV_SINGLE_BUFFER = "IPC_DPSAMPLE_TEST_SINGLE_BUFFER"
 _SETUP_TIMEOUT_S = 60.0
 _STATUS = struct.Struct("<B159s")  # 0 ok, 1 soft failure (fall back), 2 hard failure (raise)
+
+
+def _launch_kernel(*args: int) -> None:
+    """``cuLaunchKernel`` (CuPy's binding), bound on first use."""
+    global _launch_kernel
+    from cupy.cuda import driver
+
+    _launch_kernel = driver.launchKernel
+    driver.launchKernel(*args)
+
+
+class _Launch:
+    """One kernel launch with its argument block packed once.
+
+    Every kernel argument here is 64 bits wide. The values live in a ctypes array
+    and the ``void**`` parameter block points into it, so an eager call rewrites
+    the first ``n_var`` values (the caller's input pointers) and makes one
+    ``cuLaunchKernel`` call: no per-argument conversion on the hot path.
+    """
+
+    __slots__ = ("_block", "_device", "_func", "_grid", "_params", "_ptrs", "_vals", "n_var")
+
+    def __init__(
+        self, kernel: Any, device: int, grid: int, block: int, args: tuple[int, ...], n_var: int
+    ):
+        import ctypes
+
+        import cupy
+
+        with cupy.cuda.Device(device):
+            self._func = int(kernel.kernel.ptr)  # the CUfunction loaded on `device`
+        n = len(args)
+        self._vals = (ctypes.c_uint64 * n)(*[int(a) & 0xFFFF_FFFF_FFFF_FFFF for a in args])
+        base = ctypes.addressof(self._vals)
+        self._ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self._params = ctypes.addressof(self._ptrs)
+        self._grid, self._block, self.n_var, self._device = grid, block, n_var, device
+
+    def __call__(self, stream: int, *var: int) -> None:
+        vals = self._vals
+        for i, v in enumerate(var):
+            vals[i] = v
+        try:
+            _launch_kernel(
+                self._func, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
+            )
+        except Exception as exc:
+            import cupy
+            from cupy.cuda import driver
+
+            if not isinstance(exc, driver.CUDADriverError):
+                raise
+            # the calling thread's current context is another device's (or none):
+            # make this device's primary context current and try once more
+            with cupy.cuda.Device(self._device):
+                driver.launchKernel(
+                    self._func, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
+                )
 
 
 def probe_value(src: int, dst: int, pid: int) -> int:
@@ -289,12 +353,12 @@ class OnesidedBackend(Backend):
         self._logits_dtype: str | None = None
         self._timeout_ns = int(cfg.timeout_s * 1e9)
         self._parity_mask = 0 if os.environ.get(ENV_SINGLE_BUFFER) == "1" else 1
-        self._streams: dict[int, Any] = {}
         self._host_epoch = 0
         self._graphed = False
         self._views: dict[Any, Any] = {}
-        self._swap_plans: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._gather_plans: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._swap_plans: dict[int, tuple[_Launch, _Launch, int]] = {}
+        self._gather_plans: dict[tuple[int, int], _Launch] = {}
+        self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
         self._error: DpSampleError | None = None
         self._last_stream: int | None = None
         # ranks that are threads of one process must not share a stream
@@ -302,6 +366,7 @@ class OnesidedBackend(Backend):
         self._stream_owner = device
         with cupy.cuda.Device(device):
             self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._event_ptr = int(self._event.ptr)
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
         # cuFuncGetAttribute forces the (lazy) load now: never inside a stream capture
@@ -321,13 +386,6 @@ class OnesidedBackend(Backend):
             self._logits_dtype = logits_dtype
             self._swap_plans.clear()
             self._views = {k: v for k, v in self._views.items() if k[0][0] != "swap"}
-
-    def _stream(self, handle: int) -> Any:
-        s = self._streams.get(handle)
-        if s is None:
-            s = cupy_stream(handle, self.device)
-            self._streams[handle] = s
-        return s
 
     def _begin(self, handle: int) -> bool:
         """Refuse a second stream while an op is in flight; return True when the
@@ -362,7 +420,7 @@ class OnesidedBackend(Backend):
         # which in-flight event) the next eager op is compared with
         if not capturing:
             self._last_stream = handle
-            self._event.record(self._stream(handle))
+            self._runtime.eventRecord(self._event_ptr, handle)
             self._event_recorded = True
 
     def _view(self, kind: ArrayKind, key: Any, ptr: int, shape: tuple[int, ...], dtype: str) -> Any:
@@ -377,7 +435,8 @@ class OnesidedBackend(Backend):
         return pack_signature(op, dtype, pad_bs)
 
     # -- swap ---------------------------------------------------------------------
-    def _swap_plan(self, pad_bs: int) -> tuple[int, tuple[int, ...]]:
+    def _swap_plan(self, pad_bs: int) -> tuple[_Launch, _Launch, int]:
+        """(push launch, graph-mode copy-out launch, output bytes) for ``pad_bs``."""
         plan = self._swap_plans.get(pad_bs)
         if plan is None:
             cfg, lay = self.cfg, self.layout
@@ -387,55 +446,44 @@ class OnesidedBackend(Backend):
             shard_bytes = cfg.vocab_size // cfg.tp_size * itemsize
             chunks = max(1, -(-shard_bytes // SWAP_CHUNK))
             chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
-            grid = cfg.tp_size * rows * chunks
-            tail = (
-                int(self._table.data.ptr),
-                self.arena.ptr + lay.ctrl_off,
-                self.arena.err_host,
-                lay.swap_off,
-                lay.swap_region_bytes,
-                lay.flags_off,
-                cfg.rank,
-                cfg.tp_size,
-                rows,
-                shard_bytes,
-                cfg.vocab_size * itemsize,
-                chunks,
-                chunk_bytes,
-                self._sig("swap_batch_vocab", self._logits_dtype, pad_bs),
-                self._timeout_ns,
-                self._parity_mask,
-                0,
-            )
-            plan = (grid, tail)
-            self._swap_plans[pad_bs] = plan
-        return plan
-
-    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
-        handle = resolve_stream(info.kind, stream, self.device)
-        capturing = self._begin(handle)
-        grid, tail = self._swap_plan(pad_bs)
-        s = self._stream(handle)
-        try:
-            self._swap((grid,), (SWAP_BLOCK,), (info.ptr, *tail), stream=s)
-        except Exception as exc:
-            self._error = DpSampleError(f"swap launch failed ({exc}); close this communicator")
-            raise self._error from exc
-        cfg, lay = self.cfg, self.layout
-        dtype = self._logits_dtype
-        assert dtype is not None
-        rows = pad_bs // cfg.tp_size * cfg.num_tokens_per_req
-        shape = (rows, cfg.vocab_size)
-        if self._graphed:
-            nbytes = rows * cfg.vocab_size * ITEMSIZE[dtype]
-            fixed = self.arena.ptr + lay.swap_fixed_off
-            blocks = max(1, min(1024, nbytes // 65536))
-            # same kernel, mode 1: copy the region the op just wrote to the fixed output
-            self._swap(
-                (blocks,),
-                (SWAP_BLOCK,),
+            tiles = cfg.tp_size * rows * chunks
+            grid = max(1, min(tiles, self._sm_count * SWAP_CTAS_PER_SM))
+            push = _Launch(
+                self._swap,
+                self.device,
+                grid,
+                SWAP_BLOCK,
                 (
-                    fixed,  # src_ptr: the fixed output
+                    0,  # the input pointer, set per call
+                    int(self._table.data.ptr),
+                    self.arena.ptr + lay.ctrl_off,
+                    self.arena.err_host,
+                    lay.swap_off,
+                    lay.swap_region_bytes,
+                    lay.flags_off,
+                    cfg.rank,
+                    cfg.tp_size,
+                    rows,
+                    shard_bytes,
+                    cfg.vocab_size * itemsize,
+                    chunks,
+                    chunk_bytes,
+                    self._sig("swap_batch_vocab", self._logits_dtype, pad_bs),
+                    self._timeout_ns,
+                    self._parity_mask,
+                    0,  # mode: push
+                ),
+                n_var=1,
+            )
+            nbytes = rows * cfg.vocab_size * itemsize
+            # same kernel, mode 1: copy the region the op just wrote to the fixed output
+            copy_out = _Launch(
+                self._swap,
+                self.device,
+                max(1, min(1024, nbytes // 65536)),
+                SWAP_BLOCK,
+                (
+                    self.arena.ptr + lay.swap_fixed_off,  # src_ptr: the fixed output
                     0,
                     self.arena.ptr,  # ctrl
                     0,
@@ -447,8 +495,29 @@ class OnesidedBackend(Backend):
                     self._parity_mask,
                     1,  # mode: copy-out
                 ),
-                stream=s,
+                n_var=0,
             )
+            plan = (push, copy_out, nbytes)
+            self._swap_plans[pad_bs] = plan
+        return plan
+
+    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        push, copy_out, _ = self._swap_plan(pad_bs)
+        try:
+            push(handle, info.ptr)
+            if self._graphed:
+                copy_out(handle)
+        except Exception as exc:
+            self._error = DpSampleError(f"swap launch failed ({exc}); close this communicator")
+            raise self._error from exc
+        cfg, lay = self.cfg, self.layout
+        dtype = self._logits_dtype
+        assert dtype is not None
+        shape = (pad_bs // cfg.tp_size * cfg.num_tokens_per_req, cfg.vocab_size)
+        if self._graphed:
+            fixed = self.arena.ptr + lay.swap_fixed_off
             out = self._view(info.kind, ("swap", pad_bs, "fixed"), fixed, shape, dtype)
         else:
             self._host_epoch += 1
@@ -459,7 +528,7 @@ class OnesidedBackend(Backend):
         return out
 
     # -- gathers ------------------------------------------------------------------
-    def _gather_plan(self, kind: int, pad_bs: int) -> tuple[int, ...]:
+    def _gather_plan(self, kind: int, pad_bs: int) -> _Launch:
         key = (kind, pad_bs)
         plan = self._gather_plans.get(key)
         if plan is None:
@@ -474,7 +543,8 @@ class OnesidedBackend(Backend):
             else:
                 outs = (base + lay.out_logprobs_off, 0, 0)
                 sig = self._sig("gather_verify_logprobs", "int32", pad_bs)
-            plan = (
+            args = (
+                *(0, 0, 0),  # the input pointers, set per call
                 *outs,
                 int(self._table.data.ptr),
                 base + lay.ctrl_off,
@@ -492,6 +562,7 @@ class OnesidedBackend(Backend):
                 self._timeout_ns,
                 self._parity_mask,
             )
+            plan = _Launch(self._gather, self.device, 1, GATHER_BLOCK, args, n_var=3)
             self._gather_plans[key] = plan
         return plan
 
@@ -500,9 +571,9 @@ class OnesidedBackend(Backend):
     ) -> bool:
         handle = resolve_stream(info.kind, stream, self.device)
         capturing = self._begin(handle)
-        plan = self._gather_plan(kind, pad_bs)
+        launch = self._gather_plan(kind, pad_bs)
         try:
-            self._gather((1,), (GATHER_BLOCK,), (*ptrs, *plan), stream=self._stream(handle))
+            launch(handle, *ptrs)
         except Exception as exc:
             self._error = DpSampleError(f"gather launch failed ({exc}); close this communicator")
             raise self._error from exc
@@ -590,7 +661,6 @@ class OnesidedBackend(Backend):
 
     def close(self) -> None:
         self._views.clear()
-        self._streams.clear()
         _teardown(self.group, self.arena, self._opened, self._peer_recs, self.cfg.timeout_s)
         self._table = None
 
