@@ -210,6 +210,7 @@ def main() -> int:
     print(f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU")
     print(f"{'what':44s} {'mode':6s} {'median us':>10s} {'p10':>8s} {'p90':>8s}  extra")
     rows: list[dict] = []
+    t_start = time.monotonic()
 
     def show(r: dict) -> None:
         rows.append(r)
@@ -222,28 +223,32 @@ def main() -> int:
             )
         print(
             f"{r['what']:44s} {r['mode']:6s} {st['median']:10.2f} {st['p10']:8.2f} "
-            f"{st['p90']:8.2f}  {extra}",
+            f"{st['p90']:8.2f}  {extra} [{time.monotonic() - t_start:.0f} s]",
             flush=True,
         )
 
     f32, bf16 = torch.float32, torch.bfloat16
     big = dict(op="swap", pad_bs=256, n=4, vocab=152064, dtype=f32)
-    t = run_point(tp, mode="eager", reps=args.reps, per_rep=5, **big)
     nbytes = big["pad_bs"] * big["n"] * big["vocab"] * 4  # all ranks' inputs together
     c = copy_limit_us(nbytes, args.reps)
-    show(
-        {
-            "what": "swap pad_bs=256 N=4 V=152064 fp32",
-            "tp": tp,
-            "mode": "eager",
-            "bytes": nbytes,
-            "us": stats(t),
-            "copy_us": stats(c),
-            "GBps": nbytes / statistics.median(t) / 1e3,
-            "copy_GBps": nbytes / statistics.median(c) / 1e3,
-            "ratio_to_copy": statistics.median(c) / statistics.median(t),
-        }
-    )
+    # tp ranks (the target), then tp=1 (one kernel alone: its own copy efficiency);
+    # graph mode adds the copy into the fixed output (see onesided.py), so it moves
+    # twice the bytes
+    for btp, mode in ((tp, "eager"), (tp, "graph"), (1, "eager")):
+        t = run_point(btp, mode=mode, reps=args.reps, per_rep=20, **big)
+        show(
+            {
+                "what": f"swap pad_bs=256 N=4 V=152064 fp32 tp={btp}",
+                "tp": btp,
+                "mode": mode,
+                "bytes": nbytes,
+                "us": stats(t),
+                "copy_us": stats(c),
+                "GBps": nbytes / statistics.median(t) / 1e3,
+                "copy_GBps": nbytes / statistics.median(c) / 1e3,
+                "ratio_to_copy": statistics.median(c) / statistics.median(t),
+            }
+        )
     for op in ("gather_outputs", "swap"):
         h = host_overhead_us(op)
         show(

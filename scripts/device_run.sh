@@ -16,18 +16,21 @@ step() {  # step SECONDS LOGFILE COMMAND...   (SECONDS=0 skips the step)
   echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
   echo "[$rc ${SECONDS}s] $*"
 }
-py() { python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE "$@"; }
+# an array, not a function: `timeout` runs programs, and a shell function is not one
+py=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
-step "${T_ONESIDED:-170}" "$out/onesided.log" py --timeout 90 tests/test_onesided_gpu.py
+step "${T_ONESIDED:-170}" "$out/onesided.log" "${py[@]}" --timeout 90 tests/test_onesided_gpu.py
 step "${T_BENCH:-70}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
-step "${T_NCCL:-45}" "$out/nccl.log" py --timeout 40 tests/test_nccl_gpu.py
+step "${T_NCCL:-45}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
 step "${T_DOCTOR:-30}" "$out/misc.log" python3 -m ipc_dpsample doctor
 step "${T_MEMCHECK:-40}" "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
 step "${T_DEMO:-30}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-60}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
 step "${T_SYNCCHECK:-30}" "$out/misc.log" compute-sanitizer --tool synccheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+step "${T_RACECHECK:-30}" "$out/misc.log" compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
+step "${T_MEMCHECK2:-45}" "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 2
 for f in onesided nccl; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' "$out/$f.log" | tail -1)"; done
 grep -E "^(FAILED|ERROR)" "$out/onesided.log" "$out/nccl.log" | cut -c1-300 | head -20
 tail -14 "$out/bench.log"
-grep -E "ERROR SUMMARY|sanitize_smoke|^### rc" "$out/misc.log" | tail -8
+grep -E "ERROR SUMMARY|sanitize_smoke|^### " "$out/misc.log" | tail -24
