@@ -32,30 +32,41 @@ OP_CODES = {"swap_batch_vocab": 1, "gather_verify_outputs": 2, "gather_verify_lo
 OP_NAMES = {v: k for k, v in OP_CODES.items()}
 DTYPE_CODES = {"int32": 0, "bfloat16": 1, "float16": 2, "float32": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-MAX_SIG_PAD_BS = (1 << 24) - 1
+MAX_SIG_PAD_BS = (1 << 23) - 1
+#: signature bit of a swap issued in CUDA-graph mode (entry barrier, fixed output):
+#: ranks that disagree on the mode must not exchange data
+SIG_FIXED_OUTPUT = 1 << 23
 
 
 def _up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def pack_signature(op: str, dtype: str, pad_bs: int) -> int:
-    """32-bit signature of an op call: ``op << 28 | dtype << 24 | pad_bs``.
+def pack_signature(op: str, dtype: str, pad_bs: int, fixed_output: bool = False) -> int:
+    """32-bit signature of an op call:
+    ``op << 28 | dtype << 24 | fixed_output << 23 | pad_bs``.
 
-    Ranks that call different ops, or pass a different ``pad_bs`` or logits dtype,
-    produce different signatures, which the kernels turn into an error on every
-    rank instead of moving wrong data.
+    Ranks that call different ops, pass a different ``pad_bs`` or logits dtype, or
+    disagree on whether swaps run in CUDA-graph mode produce different signatures,
+    which the kernels turn into an error on every rank instead of moving wrong data.
     """
     if not 0 < pad_bs <= MAX_SIG_PAD_BS:
         raise ValueError(f"pad_bs={pad_bs} out of signature range (1..{MAX_SIG_PAD_BS})")
-    return (OP_CODES[op] << 28) | (DTYPE_CODES[dtype] << 24) | pad_bs
+    mode = SIG_FIXED_OUTPUT if fixed_output else 0
+    return (OP_CODES[op] << 28) | (DTYPE_CODES[dtype] << 24) | mode | pad_bs
 
 
 def unpack_signature(sig: int) -> tuple[str, str, int]:
-    """Inverse of :func:`pack_signature`: ``(op, dtype, pad_bs)``."""
+    """``(op, dtype, pad_bs)`` of a signature (see :func:`signature_mode` for the
+    mode bit)."""
     op = OP_NAMES.get((sig >> 28) & 0xF, f"op{(sig >> 28) & 0xF}")
     dtype = DTYPE_NAMES.get((sig >> 24) & 0xF, f"dtype{(sig >> 24) & 0xF}")
     return op, dtype, sig & MAX_SIG_PAD_BS
+
+
+def signature_mode(sig: int) -> str:
+    """``"graph"`` for a swap issued in CUDA-graph mode, else ``"eager"``."""
+    return "graph" if sig & SIG_FIXED_OUTPUT else "eager"
 
 
 @dataclass(frozen=True)
@@ -99,9 +110,14 @@ class ArenaLayout:
         return _up(self.tp * self.ll_slots * 8)
 
     @property
+    def ready_off(self) -> int:
+        """``u64 ready[2][tp]``: the graph-mode swap's entry barrier words."""
+        return self.flags_off + 2 * self.tp * 8
+
+    @property
     def ll_off(self) -> int:
         """``u64 ll[2][tp][ll_slots]``."""
-        return _up(self.flags_off + 2 * self.tp * 8)
+        return _up(self.ready_off + 2 * self.tp * 8)
 
     @property
     def swap_rows(self) -> int:
@@ -119,7 +135,8 @@ class ArenaLayout:
     @property
     def swap_fixed_off(self) -> int:
         """A third ``[R_max * N, V]`` region: the fixed swap output used once ops are
-        captured in CUDA graphs (local only; peers never write it)."""
+        captured in CUDA graphs. Peers push into it directly, after an entry barrier
+        (``ready``) that proves this rank has consumed the previous output."""
         return self.swap_off + 2 * self.swap_region_bytes
 
     @property

@@ -8,9 +8,11 @@
 // travel as kernel arguments):
 //   ctrl   : u32 epoch, u32 cta_counter, u32 broken, ... ; u64 probe[tp]
 //   flags  : u64 flags[2][tp]            one writer per word: flags[p][src]
+//   ready  : u64 ready[2][tp]            graph-mode swap entry barrier, same scheme
 //   ll     : u64 ll[2][tp][ll_slots]     LL packets (value | epoch << 32)
 //   swap   : bytes swap[2][R_max*N][V]   receive regions of swap_batch_vocab,
-//            then one more [R_max*N][V]  fixed output (CUDA-graph mode, local)
+//            then one more [R_max*N][V]  fixed output (CUDA-graph mode: peers push
+//                                        into it after the entry barrier dp_swap_enter)
 //   outputs: int32/float32 persistent gather outputs (local only)
 // Op e (epochs start at 1) uses region and flag parity e & 1.
 //
@@ -158,23 +160,6 @@ __device__ __forceinline__ void copy_block(char* dst, const char* src, u64 n) {
   }
 }
 
-// Copy the swap region of the op that just finished into a fixed output (used
-// when ops are captured in CUDA graphs, where the region parity alternates
-// between replays but the consumer reads one fixed address). Launched through
-// dp_swap_push with mode 1 (one kernel function for both steps).
-__device__ void swap_copy_out(const u32* ctrl, u64 swap_base, u64 swap_region_bytes, u64 out_ptr,
-                              u64 nbytes, u64 data_parity_mask) {
-  if (((volatile const u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile const u32*)ctrl)[CTRL_EPOCH];
-  const char* src = (const char*)(swap_base + (u64)(e & 1u & data_parity_mask) * swap_region_bytes);
-  const u64 step = ((nbytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
-  const u64 begin = step * blockIdx.x;
-  if (begin >= nbytes) return;
-  u64 n = nbytes - begin;
-  if (n > step) n = step;
-  copy_block((char*)out_ptr + begin, src + begin, n);
-}
-
 // swap_batch_vocab: one launch. CTAs stride over the tiles (destination, row,
 // chunk); rows for the own rank stay local. Every CTA fences and bumps the local counter; the
 // last CTA alone signals the peers (thread t -> peer t) and waits for them.
@@ -192,15 +177,8 @@ extern "C" __global__ void dp_swap_push(
     i64 row_bytes_out,    // V * itemsize
     i64 chunks_per_row, i64 chunk_bytes,
     u64 sig, u64 timeout_ns,
-    u64 data_parity_mask,  // 1; 0 forces one data region (test hook: shows the race)
-    u64 mode) {            // 0: push; 1: copy the finished op's region to src_ptr (fixed out)
-  if (mode == 1) {
-    // reinterpretation for the graph-mode copy: src_ptr = fixed output,
-    // swap_off = swap region 0 address, shard_bytes = bytes to copy
-    swap_copy_out((const u32*)ctrl_ptr, swap_off, swap_region_bytes, src_ptr, (u64)shard_bytes,
-                  data_parity_mask);
-    return;
-  }
+    u64 data_parity_mask) {  // 1; 0: one data region (graph mode's fixed output, where
+                             // dp_swap_enter ran first; or the test hook showing the race)
   u32* ctrl = (u32*)ctrl_ptr;
   const u64* peers = (const u64*)peers_ptr;
   ErrorBlock* err = (ErrorBlock*)err_ptr;
@@ -256,6 +234,59 @@ extern "C" __global__ void dp_swap_push(
     ctrl[CTRL_COUNTER] = 0;
     ctrl[CTRL_EPOCH] = e;
   }
+}
+
+// Entry barrier of a swap in CUDA-graph mode, launched right before dp_swap_push
+// on the same stream. There the swap writes one fixed output (a captured consumer
+// reads one address), so a peer may only push op e into this rank's output once
+// this rank has consumed op e-1's: reaching this kernel proves it (stream order).
+// Thread t < tp stores ready[e&1][rank] = e << 32 | sig into peer t, then waits
+// for peer t's word. One CTA: only it spins, so ranks sharing a GPU cannot starve
+// each other of SMs. A peer already inside another op at epoch e (a gather signals
+// flags[e&1] without a barrier) is a call-sequence mismatch, reported as such.
+extern "C" __global__ void dp_swap_enter(u64 peers_ptr, u64 ctrl_ptr, u64 err_ptr, u64 ready_off,
+                                         u64 flags_off, i64 rank, i64 tp, u64 sig,
+                                         u64 timeout_ns) {
+  u32* ctrl = (u32*)ctrl_ptr;
+  const u64* peers = (const u64*)peers_ptr;
+  ErrorBlock* err = (ErrorBlock*)err_ptr;
+  if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
+  const u32 e = ((volatile u32*)ctrl)[CTRL_EPOCH] + 1u;
+  const u64 parity = e & 1u;
+  const u64 word = ((u64)e << 32) | (sig & 0xffffffffull);
+  const u32 op = (u32)(sig >> 28);
+  const u64 t = threadIdx.x;
+  if (t >= (u64)tp) return;
+  st_release_sys((u64*)(peers[t] + ready_off) + parity * tp + rank, word);
+  const u64* ready = (const u64*)((u64)ctrl + ready_off) + parity * tp + t;
+  const u64* flag = (const u64*)((u64)ctrl + flags_off) + parity * tp + t;
+  u64 start = 0;
+  u32 spins = 0;
+  u64 v = ld_acquire_sys(ready);
+  while ((u32)(v >> 32) != e) {
+    const u64 f = ld_acquire_sys(flag);
+    if ((u32)(f >> 32) == e) {
+      // the peer signalled op e: after its own ready word if it is this swap (then
+      // the acquire above makes that word visible now), else it is another op
+      v = ld_acquire_sys(ready);
+      if ((u32)(v >> 32) == e) break;
+      report_error(err, ctrl, ERR_MISMATCH, (u32)rank, (u32)t, op, e, f);
+      return;
+    }
+    if (((++spins) & 1023u) == 0) {
+      const u64 now = globaltimer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > timeout_ns) {
+        report_error(err, ctrl, ERR_TIMEOUT, (u32)rank, (u32)t, op, e, v);
+        return;
+      }
+      if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
+    }
+    v = ld_acquire_sys(ready);
+  }
+  if ((u32)(v & 0xffffffffull) != (u32)sig)
+    report_error(err, ctrl, ERR_MISMATCH, (u32)rank, (u32)t, op, e, v);
 }
 
 // Gathers as LL packets: value | epoch << 32 in one 8-byte store, region parity

@@ -20,6 +20,7 @@ from ipc_dpsample.symmetric import (
     ERROR_BLOCK_SIZE,
     ArenaLayout,
     pack_signature,
+    signature_mode,
     unpack_signature,
 )
 
@@ -40,6 +41,7 @@ def test_arena_layout_regions_are_aligned_disjoint_and_large_enough(tp, max_pad_
     regions = [
         ("probe", lay.probe_off, 8 * tp),
         ("flags", lay.flags_off, 2 * tp * 8),
+        ("ready", lay.ready_off, 2 * tp * 8),
         ("ll", lay.ll_off, 2 * lay.ll_region_bytes),
         ("swap", lay.swap_off, 2 * lay.swap_region_bytes),
         ("swap_fixed", lay.swap_fixed_off, lay.swap_region_bytes),
@@ -70,11 +72,13 @@ def test_error_block_matches_the_kernel_struct():
     "op", ["swap_batch_vocab", "gather_verify_outputs", "gather_verify_logprobs"]
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32"])
-@pytest.mark.parametrize("pad_bs", [1, 8, 256, (1 << 24) - 1])
-def test_signature_round_trip(op, dtype, pad_bs):
-    sig = pack_signature(op, dtype, pad_bs)
+@pytest.mark.parametrize("pad_bs", [1, 8, 256, (1 << 23) - 1])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_signature_round_trip(op, dtype, pad_bs, fixed):
+    sig = pack_signature(op, dtype, pad_bs, fixed_output=fixed)
     assert 0 < sig < 2**32
     assert unpack_signature(sig) == (op, dtype, pad_bs)
+    assert signature_mode(sig) == ("graph" if fixed else "eager")
 
 
 def test_signatures_differ_for_every_field():
@@ -82,13 +86,14 @@ def test_signatures_differ_for_every_field():
     assert pack_signature("gather_verify_outputs", "bfloat16", 64) != base
     assert pack_signature("swap_batch_vocab", "float32", 64) != base
     assert pack_signature("swap_batch_vocab", "bfloat16", 72) != base
+    assert pack_signature("swap_batch_vocab", "bfloat16", 64, fixed_output=True) != base
 
 
 def test_signature_rejects_out_of_range_pad_bs():
     with pytest.raises(ValueError, match="pad_bs=0"):
         pack_signature("swap_batch_vocab", "bfloat16", 0)
     with pytest.raises(ValueError, match="out of signature range"):
-        pack_signature("swap_batch_vocab", "bfloat16", 1 << 24)
+        pack_signature("swap_batch_vocab", "bfloat16", 1 << 23)
 
 
 def _peer(rank=1, pid=4242):

@@ -19,9 +19,11 @@ Protocol (see ``kernels/onesided.cu`` and DESIGN.md "The one-sided protocol"):
 
 Swap outputs: eagerly issued swaps return a view of the region the op wrote (no
 extra copy). Once any op has been captured into a CUDA graph the host can no
-longer know the device epoch's parity, so from then on every swap also copies
-its region into one fixed output buffer (a second small launch), which is what a
-captured consumer reads.
+longer know the device epoch's parity, and a captured consumer reads one fixed
+address; from then on every swap is two launches: an entry barrier
+(``dp_swap_enter``: each rank tells its peers it has consumed the previous output,
+then waits for theirs) and the push straight into one fixed output region. That
+moves the same bytes as an eager swap; the barrier costs one flag round trip.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ from ..ipc import (
 )
 from ..kernel_cache import get_kernel
 from ..symmetric import (
+    MAX_SIG_PAD_BS,
     OP_NAMES,
     Arena,
     ArenaLayout,
     pack_signature,
+    signature_mode,
     unpack_signature,
     upload_u64_table,
 )
@@ -182,6 +186,8 @@ def setup_onesided(
     if tp > min(SWAP_BLOCK, GATHER_BLOCK):
         # thread t signals and waits for peer t: a CTA needs at least tp threads
         return None, f"tp_size={tp} exceeds the kernels' {min(SWAP_BLOCK, GATHER_BLOCK)} threads"
+    if cfg.max_pad_bs > MAX_SIG_PAD_BS:
+        return None, f"max_pad_bs={cfg.max_pad_bs} exceeds the op signature's {MAX_SIG_PAD_BS}"
     itemsize = ITEMSIZE[cfg.logits_dtype] if cfg.logits_dtype else 4
     layout = ArenaLayout(tp, cfg.max_pad_bs, cfg.num_tokens_per_req, cfg.vocab_size, itemsize)
     me = records[rank]
@@ -350,13 +356,14 @@ class OnesidedBackend(Backend):
         self._table = table  # device uint64[tp], kept alive here
         self._swap = get_kernel(SOURCE, "dp_swap_push", device)
         self._gather = get_kernel(SOURCE, "dp_gather_ll", device)
+        self._enter = get_kernel(SOURCE, "dp_swap_enter", device)
         self._logits_dtype: str | None = None
         self._timeout_ns = int(cfg.timeout_s * 1e9)
         self._parity_mask = 0 if os.environ.get(ENV_SINGLE_BUFFER) == "1" else 1
         self._host_epoch = 0
         self._graphed = False
         self._views: dict[Any, Any] = {}
-        self._swap_plans: dict[int, tuple[_Launch, _Launch, int]] = {}
+        self._swap_plans: dict[int, tuple[_Launch, _Launch, _Launch]] = {}
         self._gather_plans: dict[tuple[int, int], _Launch] = {}
         self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
         self._error: DpSampleError | None = None
@@ -370,7 +377,7 @@ class OnesidedBackend(Backend):
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
         # cuFuncGetAttribute forces the (lazy) load now: never inside a stream capture
-        for kernel in (self._swap, self._gather):
+        for kernel in (self._swap, self._gather, self._enter):
             _ = kernel.max_threads_per_block
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
@@ -431,12 +438,13 @@ class OnesidedBackend(Backend):
             self._views[k] = v
         return v
 
-    def _sig(self, op: str, dtype: str, pad_bs: int) -> int:
-        return pack_signature(op, dtype, pad_bs)
+    def _sig(self, op: str, dtype: str, pad_bs: int, fixed_output: bool = False) -> int:
+        return pack_signature(op, dtype, pad_bs, fixed_output)
 
     # -- swap ---------------------------------------------------------------------
-    def _swap_plan(self, pad_bs: int) -> tuple[_Launch, _Launch, int]:
-        """(push launch, graph-mode copy-out launch, output bytes) for ``pad_bs``."""
+    def _swap_plan(self, pad_bs: int) -> tuple[_Launch, _Launch, _Launch]:
+        """Launches for ``pad_bs``: (eager push into the ping-pong regions, graph-mode
+        entry barrier, graph-mode push into the fixed output)."""
         plan = self._swap_plans.get(pad_bs)
         if plan is None:
             cfg, lay = self.cfg, self.layout
@@ -448,67 +456,80 @@ class OnesidedBackend(Backend):
             chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
             tiles = cfg.tp_size * rows * chunks
             grid = max(1, min(tiles, self._sm_count * SWAP_CTAS_PER_SM))
-            push = _Launch(
-                self._swap,
+            sigs = [
+                self._sig("swap_batch_vocab", self._logits_dtype, pad_bs, fixed)
+                for fixed in (False, True)
+            ]
+            table, ctrl, err = (
+                int(self._table.data.ptr),
+                self.arena.ptr + lay.ctrl_off,
+                self.arena.err_host,
+            )
+
+            def push(region_off: int, parity_mask: int, sig: int) -> _Launch:
+                return _Launch(
+                    self._swap,
+                    self.device,
+                    grid,
+                    SWAP_BLOCK,
+                    (
+                        0,  # the input pointer, set per call
+                        table,
+                        ctrl,
+                        err,
+                        region_off,
+                        lay.swap_region_bytes,
+                        lay.flags_off,
+                        cfg.rank,
+                        cfg.tp_size,
+                        rows,
+                        shard_bytes,
+                        cfg.vocab_size * itemsize,
+                        chunks,
+                        chunk_bytes,
+                        sig,
+                        self._timeout_ns,
+                        parity_mask,
+                    ),
+                    n_var=1,
+                )
+
+            enter = _Launch(
+                self._enter,
                 self.device,
-                grid,
-                SWAP_BLOCK,
+                1,
+                32 * -(-cfg.tp_size // 32),
                 (
-                    0,  # the input pointer, set per call
-                    int(self._table.data.ptr),
-                    self.arena.ptr + lay.ctrl_off,
-                    self.arena.err_host,
-                    lay.swap_off,
-                    lay.swap_region_bytes,
+                    table,
+                    ctrl,
+                    err,
+                    lay.ready_off,
                     lay.flags_off,
                     cfg.rank,
                     cfg.tp_size,
-                    rows,
-                    shard_bytes,
-                    cfg.vocab_size * itemsize,
-                    chunks,
-                    chunk_bytes,
-                    self._sig("swap_batch_vocab", self._logits_dtype, pad_bs),
+                    sigs[1],
                     self._timeout_ns,
-                    self._parity_mask,
-                    0,  # mode: push
-                ),
-                n_var=1,
-            )
-            nbytes = rows * cfg.vocab_size * itemsize
-            # same kernel, mode 1: copy the region the op just wrote to the fixed output
-            copy_out = _Launch(
-                self._swap,
-                self.device,
-                max(1, min(1024, nbytes // 65536)),
-                SWAP_BLOCK,
-                (
-                    self.arena.ptr + lay.swap_fixed_off,  # src_ptr: the fixed output
-                    0,
-                    self.arena.ptr,  # ctrl
-                    0,
-                    self.arena.ptr + lay.swap_off,  # swap_off: region 0 address
-                    lay.swap_region_bytes,
-                    *(0, 0, 0, 0),
-                    nbytes,  # shard_bytes: bytes to copy
-                    *(0, 0, 0, 0, 0),
-                    self._parity_mask,
-                    1,  # mode: copy-out
                 ),
                 n_var=0,
             )
-            plan = (push, copy_out, nbytes)
+            plan = (
+                push(lay.swap_off, self._parity_mask, sigs[0]),
+                enter,
+                push(lay.swap_fixed_off, 0, sigs[1]),
+            )
             self._swap_plans[pad_bs] = plan
         return plan
 
     def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
         handle = resolve_stream(info.kind, stream, self.device)
         capturing = self._begin(handle)
-        push, copy_out, _ = self._swap_plan(pad_bs)
+        push, enter, push_fixed = self._swap_plan(pad_bs)
         try:
-            push(handle, info.ptr)
             if self._graphed:
-                copy_out(handle)
+                enter(handle)
+                push_fixed(handle, info.ptr)
+            else:
+                push(handle, info.ptr)
         except Exception as exc:
             self._error = DpSampleError(f"swap launch failed ({exc}); close this communicator")
             raise self._error from exc
@@ -651,11 +672,14 @@ class OnesidedBackend(Backend):
             )
         else:
             p_op, p_dtype, p_pad = unpack_signature(seen_sig)
+            peer_mode = " in CUDA-graph mode" if signature_mode(seen_sig) == "graph" else ""
+            own_mode = " in CUDA-graph mode" if self._graphed and op == 1 else ""
             self._error = DpSampleError(
-                f"rank {rank}: peer rank {peer} called {p_op}(pad_bs={p_pad}, dtype={p_dtype}) "
-                f"while this rank called {op_name} at epoch {expected}: the ranks' call "
-                "sequences diverged (every rank must call the same ops with the same pad_bs). "
-                "This communicator is unusable: close it and build a new one"
+                f"rank {rank}: peer rank {peer} called {p_op}(pad_bs={p_pad}, dtype={p_dtype})"
+                f"{peer_mode} while this rank called {op_name}{own_mode} at epoch {expected}: "
+                "the ranks' call sequences diverged (every rank must call the same ops with the "
+                "same pad_bs, and start capturing CUDA graphs at the same op). This "
+                "communicator is unusable: close it and build a new one"
             )
         raise self._error
 
