@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One batched GPU session: tests, benchmarks, doctor, demo, sanitizer. Every step has
-# its own time limit and keeps going past failures; logs land in $OUT (at most 8 files).
+# its own time limit (environment T_<STEP> seconds, 0 skips it) and keeps going past
+# failures; logs land in $OUT (at most 8 files come back from the device).
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
 export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-step() {  # step SECONDS LOGFILE COMMAND...   (SECONDS=0 skips the step)
+step() {  # step SECONDS LOGFILE COMMAND...
   local t=$1 log=$2; shift 2
   [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
   local t0=$SECONDS
@@ -14,23 +15,28 @@ step() {  # step SECONDS LOGFILE COMMAND...   (SECONDS=0 skips the step)
   timeout "$t" "$@" >> "$log" 2>&1
   local rc=$?
   echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
-  echo "[$rc ${SECONDS}s] $*"
+  echo "[rc=$rc at ${SECONDS}s] $*"
 }
 # an array, not a function: `timeout` runs programs, and a shell function is not one
 py=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE)
+san=(compute-sanitizer --error-exitcode 9 --tool)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
-step "${T_ONESIDED:-170}" "$out/onesided.log" "${py[@]}" --timeout 90 tests/test_onesided_gpu.py
-step "${T_BENCH:-70}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
+step "${T_ONESIDED:-150}" "$out/onesided.log" "${py[@]}" --timeout 90 tests/test_onesided_gpu.py
+step "${T_BENCH:-150}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
+step "${T_PROFILE:-40}" "$out/bench.log" python3 scripts/profile_host.py
 step "${T_NCCL:-45}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
+[ -f tests/test_reliability_gpu.py ] &&
+  step "${T_RELIABILITY:-200}" "$out/reliability.log" "${py[@]}" -s --timeout 180 tests/test_reliability_gpu.py
+step "${T_MEMCHECK:-45}" "$out/misc.log" "${san[@]}" memcheck python3 scripts/sanitize_smoke.py 2
+step "${T_SYNCCHECK:-45}" "$out/misc.log" "${san[@]}" synccheck python3 scripts/sanitize_smoke.py 2
+step "${T_RACECHECK:-45}" "$out/misc.log" "${san[@]}" racecheck python3 scripts/sanitize_smoke.py 2
 step "${T_DOCTOR:-30}" "$out/misc.log" python3 -m ipc_dpsample doctor
-step "${T_MEMCHECK:-40}" "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
 step "${T_DEMO:-30}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-60}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
-step "${T_SYNCCHECK:-30}" "$out/misc.log" compute-sanitizer --tool synccheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
-step "${T_RACECHECK:-30}" "$out/misc.log" compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 1
-step "${T_MEMCHECK2:-45}" "$out/misc.log" compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_smoke.py 2
-for f in onesided nccl; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' "$out/$f.log" | tail -1)"; done
-grep -E "^(FAILED|ERROR)" "$out/onesided.log" "$out/nccl.log" | cut -c1-300 | head -20
-tail -14 "$out/bench.log"
+for f in onesided nccl reliability; do
+  [ -f "$out/$f.log" ] && echo "$f: $(grep -E '[0-9]+ (passed|failed|error)' "$out/$f.log" | tail -1)"
+done
+grep -hE "^(FAILED|ERROR)" "$out"/*.log | cut -c1-300 | head -20
+grep -E "^(#|what|swap|host|gather)" "$out/bench.log" | head -30
 grep -E "ERROR SUMMARY|sanitize_smoke|^### " "$out/misc.log" | tail -24

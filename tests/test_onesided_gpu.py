@@ -122,10 +122,12 @@ def test_inprocess_matrix(tp):
     assert all(run_threads(tp, _matrix_body, timeout_s=300))
 
 
-def _alternating_body(rank, tp, group, n_ops, delays, results):
+def _alternating_body(rank, tp, group, n_ops, delays, results, fixed_output=False):
     """Alternate swap / gather / logprobs n_ops times, ranks randomly delayed on the
     host and on the device, a slow consumer reading each output after a delay;
-    every output is compared with the reference."""
+    every output is compared with the reference. ``fixed_output`` runs every swap
+    the way it runs once ops are captured in CUDA graphs (entry barrier, then one
+    fixed output region), issued eagerly so the delays apply."""
     import torch
 
     torch.cuda.set_device(0)
@@ -148,6 +150,8 @@ def _alternating_body(rank, tp, group, n_ops, delays, results):
             timeout_s=5.0,
         ) as comm,
     ):
+        if fixed_output:
+            comm._backend._graphed = True  # what the first captured op switches on
         try:
             for i in range(n_ops):
                 if delays and rng.random() < 0.3:
@@ -202,6 +206,61 @@ def test_200_alternating_ops_with_random_delays_are_all_correct(tp, delays):
     results = {}
     out = run_threads(tp, _alternating_body, 200, delays, results, timeout_s=600)
     assert out == [(0, None)] * tp, "\n".join(f"rank {r}: {o}" for r, o in enumerate(out))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_graph_mode_fixed_output_with_entry_barrier_has_no_race(tp):
+    """The graph-mode swap writes one region; its entry barrier must make that as
+    safe as the ping-pong regions under the same delays and slow consumers."""
+    results = {}
+    out = run_threads(tp, _alternating_body, 200, True, results, True, timeout_s=600)
+    assert out == [(0, None)] * tp, "\n".join(f"rank {r}: {o}" for r, o in enumerate(out))
+
+
+def _mode_mismatch_body(rank, tp, group):
+    import torch
+
+    torch.cuda.set_device(0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        comm = _comm(
+            group,
+            rank,
+            tp,
+            max_pad_bs=2 * tp,
+            num_tokens_per_req=2,
+            vocab_size=8 * tp,
+            logits_dtype="float32",
+            timeout_s=2.0,
+        )
+        if rank == 0:
+            comm._backend._graphed = True  # rank 0 behaves as if it had captured a graph
+        x = torch.randn(2 * tp * 2, 8, device="cuda")
+        t0 = time.monotonic()
+        comm.swap_batch_vocab(x, pad_bs=2 * tp)
+        group.barrier(timeout_s=60, what="launched")
+        stream.synchronize()
+        try:
+            comm.check()
+            result = None
+        except DpSampleError as exc:
+            result = (type(exc).__name__, str(exc), time.monotonic() - t0)
+        group.barrier(timeout_s=60, what="before close")
+        comm.close()
+    return result
+
+
+def test_graph_and_eager_mode_disagreement_raises_on_every_rank():
+    """A rank in CUDA-graph mode (fixed output) and one in eager mode (ping-pong)
+    must never exchange data: the mode is part of the signature."""
+    out = run_threads(2, _mode_mismatch_body, timeout_s=120)
+    for rank, res in enumerate(out):
+        assert res is not None, f"rank {rank} did not raise"
+        name, msg, elapsed = res
+        assert name in ("DpSampleError", "PeerTimeoutError"), msg
+        assert elapsed < 2.0 + 1.5, f"rank {rank} took {elapsed:.1f} s: {msg}"
+    # the graph-mode rank sees the eager rank's flag and names the disagreement
+    assert "call sequences diverged" in out[0][1] and "CUDA-graph mode" in out[0][1], out[0][1]
 
 
 def test_single_buffer_design_has_the_race_this_design_removes(monkeypatch):
