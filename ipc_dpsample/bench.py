@@ -584,6 +584,7 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
     canvas directly (no pyplot state, no display needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us")]
     ops = [op for op in OPS if any(r["op"] == op for r in ok)] or ["no data"]
@@ -615,6 +616,9 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
             if series:
                 ax.set_xscale("log")
                 ax.set_yscale("log")
+                # label decades only: minor-tick labels of short log ranges overlap
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                ax.yaxis.set_minor_formatter(NullFormatter())
                 ax.legend(fontsize=7, loc="best")
             else:
                 ax.text(0.5, 0.5, "no successful measurement", ha="center", va="center")
