@@ -122,12 +122,16 @@ def test_inprocess_matrix(tp):
     assert all(run_threads(tp, _matrix_body, timeout_s=300))
 
 
-def _alternating_body(rank, tp, group, n_ops, delays, results, fixed_output=False):
+def _alternating_body(
+    rank, tp, group, n_ops, delays, results, fixed_output=False, swaps_only=False
+):
     """Alternate swap / gather / logprobs n_ops times, ranks randomly delayed on the
     host and on the device, a slow consumer reading each output after a delay;
     every output is compared with the reference. ``fixed_output`` runs every swap
     the way it runs once ops are captured in CUDA graphs (entry barrier, then one
-    fixed output region), issued eagerly so the delays apply."""
+    fixed output region), issued eagerly so the delays apply. ``swaps_only`` issues
+    swaps back to back: the pattern in which a single receive region is overwritten
+    by a peer's next swap while a slow consumer still reads it."""
     import torch
 
     torch.cuda.set_device(0)
@@ -158,7 +162,7 @@ def _alternating_body(rank, tp, group, n_ops, delays, results, fixed_output=Fals
                     time.sleep(rng.uniform(0, 0.002))
                 if delays and rng.random() < 0.3:
                     torch.cuda._sleep(rng.randint(0, 200_000))
-                kind = i % 3
+                kind = 0 if swaps_only else i % 3
                 if kind == 0:
                     xs = all_inputs(7 * i, tp, pad_bs, n, vs, "bfloat16", device="cuda")
                     out = comm.swap_batch_vocab(xs[rank].contiguous(), pad_bs=pad_bs)
@@ -263,12 +267,20 @@ def test_graph_and_eager_mode_disagreement_raises_on_every_rank():
     assert "call sequences diverged" in out[0][1] and "CUDA-graph mode" in out[0][1], out[0][1]
 
 
+@pytest.mark.parametrize("fixed_output", [False, True], ids=["ping-pong", "graph-mode"])
+def test_back_to_back_swaps_with_slow_consumers_are_all_correct(fixed_output):
+    results = {}
+    out = run_threads(4, _alternating_body, 200, True, results, fixed_output, True, timeout_s=600)
+    assert out == [(0, None)] * 4, "\n".join(f"rank {r}: {o}" for r, o in enumerate(out))
+
+
 def test_single_buffer_design_has_the_race_this_design_removes(monkeypatch):
-    """Forcing one data region (the original design) makes the same run fail: wrong
-    data or a timeout. The ping-pong run above passes with the same delays."""
+    """Forcing one data region and no entry barrier (the original design) makes the
+    back-to-back swap run above fail: a peer's next swap overwrites an output that a
+    slow consumer has not read yet (wrong data), or a timeout."""
     monkeypatch.setenv("IPC_DPSAMPLE_TEST_SINGLE_BUFFER", "1")
     results = {}
-    out = run_threads(4, _alternating_body, 200, True, results, timeout_s=600)
+    out = run_threads(4, _alternating_body, 200, True, results, False, True, timeout_s=600)
     failures = sum(bad for bad, _ in out) + sum(1 for _, err in out if err)
     assert failures > 0, f"single-buffer run showed no race: {out}"
 
