@@ -236,6 +236,24 @@ extern "C" __global__ void dp_swap_push(
   }
 }
 
+// The other CUDA-graph mode of a swap (IPC_DPSAMPLE_GRAPH_SWAP=copy): the push
+// wrote the ping-pong region of the op that just finished (its parity is only known
+// on the device); copy it into the fixed output a captured consumer reads. Moves
+// the output's bytes once more; needs no barrier and no agreement on the mode.
+extern "C" __global__ void dp_swap_copy_out(u64 ctrl_ptr, u64 region0, u64 region_bytes,
+                                            u64 dst, u64 nbytes, u64 data_parity_mask) {
+  const u32* ctrl = (const u32*)ctrl_ptr;
+  if (((volatile const u32*)ctrl)[CTRL_BROKEN] != 0) return;
+  const u32 e = ((volatile const u32*)ctrl)[CTRL_EPOCH];
+  const char* src = (const char*)(region0 + (u64)(e & 1u & data_parity_mask) * region_bytes);
+  const u64 step = ((nbytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
+  const u64 begin = step * blockIdx.x;
+  if (begin >= nbytes) return;
+  u64 n = nbytes - begin;
+  if (n > step) n = step;
+  copy_block((char*)dst + begin, src + begin, n);
+}
+
 // Entry barrier of a swap in CUDA-graph mode, launched right before dp_swap_push
 // on the same stream. There the swap writes one fixed output (a captured consumer
 // reads one address), so a peer may only push op e into this rank's output once

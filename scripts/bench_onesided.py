@@ -195,19 +195,36 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--big-only", action="store_true", help="only the tp-rank big swap, eager")
+    ap.add_argument(
+        "--dump-after",
+        type=float,
+        default=0,
+        help="print every thread's stack and exit after this many seconds (hang diagnosis)",
+    )
     args = ap.parse_args()
+    if args.dump_after > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_after, exit=True)
     tp = args.tp
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("GIT_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     meta = {
         "gpu": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit or os.environ.get("GIT_COMMIT", "?"),
+        "commit": commit or "?",
         "torch": torch.__version__,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
-    print(f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU")
+    print(
+        f"# {meta['gpu']}  {meta['date']}  commit {meta['commit']}  tp={tp} ranks on one GPU  "
+        f"swap CTAs/SM={os.environ.get('IPC_DPSAMPLE_SWAP_CTAS_PER_SM', 'default')}"
+    )
     print(f"{'what':44s} {'mode':6s} {'median us':>10s} {'p10':>8s} {'p90':>8s}  extra")
     rows: list[dict] = []
     t_start = time.monotonic()
@@ -234,7 +251,8 @@ def main() -> int:
     # tp ranks (the target), then tp=1 (one kernel alone: its own copy efficiency);
     # graph mode adds the copy into the fixed output (see onesided.py), so it moves
     # twice the bytes
-    for btp, mode in ((tp, "eager"), (tp, "graph"), (1, "eager")):
+    big_points = [(tp, "eager")] if args.big_only else [(tp, "eager"), (tp, "graph"), (1, "eager")]
+    for btp, mode in big_points:
         t = run_point(btp, mode=mode, reps=args.reps, per_rep=20, **big)
         show(
             {
@@ -249,6 +267,8 @@ def main() -> int:
                 "ratio_to_copy": statistics.median(c) / statistics.median(t),
             }
         )
+    if args.big_only:
+        return 0
     for op in ("gather_outputs", "swap"):
         h = host_overhead_us(op)
         show(

@@ -18,25 +18,30 @@ step() {  # step SECONDS LOGFILE COMMAND...
   echo "[rc=$rc at ${SECONDS}s] $*"
 }
 # an array, not a function: `timeout` runs programs, and a shell function is not one
-py=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE)
+py=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
 san=(compute-sanitizer --error-exitcode 9 --tool)
+graph_k="graph_replay or stream_capture or graph_mode or back_to_back or disagreement"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
-step "${T_ONESIDED:-150}" "$out/onesided.log" "${py[@]}" --timeout 90 tests/test_onesided_gpu.py
-step "${T_BENCH:-150}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
-step "${T_PROFILE:-40}" "$out/bench.log" python3 scripts/profile_host.py
-step "${T_NCCL:-45}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
-[ -f tests/test_reliability_gpu.py ] &&
-  step "${T_RELIABILITY:-200}" "$out/reliability.log" "${py[@]}" -s --timeout 180 tests/test_reliability_gpu.py
-step "${T_MEMCHECK:-45}" "$out/misc.log" "${san[@]}" memcheck python3 scripts/sanitize_smoke.py 2
-step "${T_SYNCCHECK:-45}" "$out/misc.log" "${san[@]}" synccheck python3 scripts/sanitize_smoke.py 2
-step "${T_RACECHECK:-45}" "$out/misc.log" "${san[@]}" racecheck python3 scripts/sanitize_smoke.py 2
-step "${T_DOCTOR:-30}" "$out/misc.log" python3 -m ipc_dpsample doctor
-step "${T_DEMO:-30}" "$out/misc.log" python3 -m ipc_dpsample demo
-step "${T_SWEEP:-60}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
+step "${T_ONESIDED:-120}" "$out/onesided.log" "${py[@]}" --timeout 45 tests/test_onesided_gpu.py -k "not ($graph_k)"
+step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
+IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
+step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
+IPC_DPSAMPLE_SWAP_CTAS_PER_SM=${BENCH_CTAS:-2} step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
+step "${T_PROFILE:-0}" "$out/bench.log" python3 scripts/profile_host.py
+step "${T_NCCL:-0}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
+IPC_DPSAMPLE_KILL_TRIALS=${KILL_TRIALS:-20} step "${T_RELIABILITY:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py ${REL_K:+-k "$REL_K"}
+for f in $(find /tmp/rel -name "*.startup-error" 2>/dev/null | head -1) $(find /tmp/rel -name "pair*.log" 2>/dev/null | head -1); do
+  echo "== $f" >> "$out/reliability.log"; tail -25 "$f" >> "$out/reliability.log"
+done
+step "${T_MEMCHECK:-0}" "$out/misc.log" "${san[@]}" memcheck python3 scripts/sanitize_smoke.py 2
+step "${T_SYNCCHECK:-0}" "$out/misc.log" "${san[@]}" synccheck python3 scripts/sanitize_smoke.py 1
+step "${T_DOCTOR:-0}" "$out/misc.log" python3 -m ipc_dpsample doctor
+step "${T_DEMO:-0}" "$out/misc.log" python3 -m ipc_dpsample demo
+step "${T_SWEEP:-0}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
-for f in onesided nccl reliability; do
-  [ -f "$out/$f.log" ] && echo "$f: $(grep -E '[0-9]+ (passed|failed|error)' "$out/$f.log" | tail -1)"
+for f in onesided graph nccl reliability; do
+  [ -f "$out/$f.log" ] && grep -E '^[0-9]+ (passed|failed)|^=* ?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in ' "$out/$f.log" | sed "s/^/$f: /"
 done
 grep -hE "^(FAILED|ERROR)" "$out"/*.log | cut -c1-300 | head -20
-grep -E "^(#|what|swap|host|gather)" "$out/bench.log" | head -30
+grep -hE "^(# NVIDIA|what|swap|host|gather)" "$out/bench.log" | head -30
 grep -E "ERROR SUMMARY|sanitize_smoke|^### " "$out/misc.log" | tail -24

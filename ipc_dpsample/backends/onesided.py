@@ -74,6 +74,13 @@ if SWAP_CHUNK < 16 or SWAP_CHUNK % 16:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CHUNK={SWAP_CHUNK} must be a positive multiple of 16")
 if not 1 <= SWAP_CTAS_PER_SM <= 32:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CTAS_PER_SM={SWAP_CTAS_PER_SM} must be in [1, 32]")
+#: How a swap runs once ops are captured in CUDA graphs: ``barrier`` (default: an
+#: entry barrier, then the push straight into one fixed output) or ``copy`` (the
+#: eager push, then a local copy of the finished region into the fixed output: no
+#: barrier, one more pass over the output's bytes). Every rank must use the same.
+GRAPH_SWAP = os.environ.get("IPC_DPSAMPLE_GRAPH_SWAP", "barrier")
+if GRAPH_SWAP not in ("barrier", "copy"):
+    raise ValueError(f"IPC_DPSAMPLE_GRAPH_SWAP={GRAPH_SWAP!r} must be 'barrier' or 'copy'")
 #: Test hook: IPC_DPSAMPLE_TEST_SINGLE_BUFFER=1 makes every op use one data region
 #: (the original design's race); tests use it to prove the race is real and absent.
 ENV_SINGLE_BUFFER = "IPC_DPSAMPLE_TEST_SINGLE_BUFFER"
@@ -357,6 +364,7 @@ class OnesidedBackend(Backend):
         self._swap = get_kernel(SOURCE, "dp_swap_push", device)
         self._gather = get_kernel(SOURCE, "dp_gather_ll", device)
         self._enter = get_kernel(SOURCE, "dp_swap_enter", device)
+        self._copy_out = get_kernel(SOURCE, "dp_swap_copy_out", device)
         self._logits_dtype: str | None = None
         self._timeout_ns = int(cfg.timeout_s * 1e9)
         self._parity_mask = 0 if os.environ.get(ENV_SINGLE_BUFFER) == "1" else 1
@@ -377,7 +385,7 @@ class OnesidedBackend(Backend):
         self._event_recorded = False
         self._runtime = cupy.cuda.runtime
         # cuFuncGetAttribute forces the (lazy) load now: never inside a stream capture
-        for kernel in (self._swap, self._gather, self._enter):
+        for kernel in (self._swap, self._gather, self._enter, self._copy_out):
             _ = kernel.max_threads_per_block
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
@@ -444,7 +452,9 @@ class OnesidedBackend(Backend):
     # -- swap ---------------------------------------------------------------------
     def _swap_plan(self, pad_bs: int) -> tuple[_Launch, _Launch, _Launch]:
         """Launches for ``pad_bs``: (eager push into the ping-pong regions, graph-mode
-        entry barrier, graph-mode push into the fixed output)."""
+        entry barrier, graph-mode push into the fixed output); with
+        ``IPC_DPSAMPLE_GRAPH_SWAP=copy`` the second is the copy into the fixed output
+        and the third is unused."""
         plan = self._swap_plans.get(pad_bs)
         if plan is None:
             cfg, lay = self.cfg, self.layout
@@ -512,11 +522,27 @@ class OnesidedBackend(Backend):
                 ),
                 n_var=0,
             )
-            plan = (
-                push(lay.swap_off, self._parity_mask, sigs[0]),
-                enter,
-                push(lay.swap_fixed_off, 0, sigs[1]),
-            )
+            eager = push(lay.swap_off, self._parity_mask, sigs[0])
+            if GRAPH_SWAP == "copy":
+                nbytes = rows * cfg.vocab_size * itemsize
+                copy_out = _Launch(
+                    self._copy_out,
+                    self.device,
+                    max(1, min(1024, nbytes // 65536)),
+                    SWAP_BLOCK,
+                    (
+                        ctrl,
+                        self.arena.ptr + lay.swap_off,
+                        lay.swap_region_bytes,
+                        self.arena.ptr + lay.swap_fixed_off,
+                        nbytes,
+                        self._parity_mask,
+                    ),
+                    n_var=0,
+                )
+                plan = (eager, copy_out, eager)  # graphed: push, then copy out
+            else:
+                plan = (eager, enter, push(lay.swap_fixed_off, 0, sigs[1]))
             self._swap_plans[pad_bs] = plan
         return plan
 
@@ -525,7 +551,10 @@ class OnesidedBackend(Backend):
         capturing = self._begin(handle)
         push, enter, push_fixed = self._swap_plan(pad_bs)
         try:
-            if self._graphed:
+            if self._graphed and GRAPH_SWAP == "copy":
+                push(handle, info.ptr)
+                enter(handle)  # the copy into the fixed output
+            elif self._graphed:
                 enter(handle)
                 push_fixed(handle, info.ptr)
             else:
