@@ -181,8 +181,13 @@ def run_threads(
       completion: put ``group.barrier(...)`` between issuing ops and
       ``synchronize()``/``.item()``/``torch.equal``. Without it we saw, on an H200
       with 2 to 8 rank threads, a rank's kernel wait out the whole timeout for a
-      peer whose host thread had not issued the same op yet (cause not pinned
-      down: the blocked thread was inside a synchronising call).
+      peer whose host thread had not issued the same op yet;
+    * no GPU allocation, memset or same-device copy while a peer's op may be in
+      flight: prepare inputs, synchronise, barrier, then issue. CUDA's implicit
+      synchronisation rules order work issued after such a call behind work
+      already running in other streams, so a late rank's kernel could not start
+      while its peers' kernels wait for it (our reading of the stalls above and
+      of a bench run that stalled while one rank allocated its inputs).
     """
     # Several spinning kernels on one GPU need their own hardware queues: with the
     # default 8 connections two ranks' streams can share one and deadlock until the

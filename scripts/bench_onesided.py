@@ -85,6 +85,11 @@ def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode
                 (torch.randn(pad_bs * n, vs, generator=g[s], device="cuda") * 3).to(dtype)
                 for s in range(tp)
             ]
+            # allocations and same-device copies serialise streams (CUDA's implicit
+            # synchronisation): a rank still allocating while a peer's op is in flight
+            # stalls both until the timeout. Everyone allocates first.
+            stream.synchronize()
+            group.barrier(timeout_s=60, what="inputs allocated")
             y = call()
             rows = pad_bs // tp * n
             ref = torch.cat([xs[s][rank * rows : (rank + 1) * rows] for s in range(tp)], dim=1)
@@ -95,6 +100,8 @@ def _rank_body(rank, tp, group, op, pad_bs, n, vocab, dtype, reps, per_rep, mode
             comm.check()
             assert torch.equal(y, ref), "swap output differs from the reference"
             del xs
+        stream.synchronize()
+        group.barrier(timeout_s=60, what="checked")
         for _ in range(3):
             call()
         group.barrier(timeout_s=60, what="warm-up launched")

@@ -339,7 +339,13 @@ def _graph_body(rank, tp, group):
                 x.copy_(xs[rank])
                 p.copy_(pv[rank]), a.copy_(av[rank]), ln.copy_(lv[rank]), lp.copy_(lpv[rank])
                 y_snap.fill_(float("nan")), vo_snap.fill_(-1), lp_snap.fill_(float("nan"))
+            # allocations and same-device copies serialise streams (CUDA's implicit
+            # synchronisation): no rank prepares while a peer's op is in flight
+            stream.synchronize()
+            group.barrier(timeout_s=60, what="inputs ready")
+            with torch.cuda.stream(stream):
                 g.replay()
+            group.barrier(timeout_s=60, what="replay launched")
             stream.synchronize()
             comm.check()
             assert torch.equal(y_snap, swap_reference_torch(xs, rank, tp, pad_bs, n)), it
@@ -348,7 +354,11 @@ def _graph_body(rank, tp, group):
             assert torch.equal(lp_snap, lpv.reshape(-1, n)), it
         # an eager op after graph replays still returns the right data
         xs = all_inputs(999, tp, pad_bs, n, vs, "float16", device="cuda")
-        y2 = comm.swap_batch_vocab(xs[rank].contiguous(), pad_bs=pad_bs)
+        x2 = xs[rank].contiguous()
+        stream.synchronize()
+        group.barrier(timeout_s=60, what="eager inputs ready")
+        y2 = comm.swap_batch_vocab(x2, pad_bs=pad_bs)
+        group.barrier(timeout_s=60, what="eager op launched")
         stream.synchronize()
         assert torch.equal(y2, swap_reference_torch(xs, rank, tp, pad_bs, n))
         group.barrier(timeout_s=60, what="end")
@@ -403,7 +413,10 @@ def _cupy_graph_body(rank, tp, group):
             lp.set(lps[rank].numpy(), stream=stream)
             y_snap.fill(float("nan"))
             lp_snap.fill(float("nan"))
+            stream.synchronize()
+            group.barrier(timeout_s=60, what="inputs ready")  # see _graph_body
             graph.launch(stream)
+            group.barrier(timeout_s=60, what="replay launched")
             stream.synchronize()
             comm.check()
             ref = reference_swap_batch_vocab(
