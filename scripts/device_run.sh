@@ -26,7 +26,7 @@ step "${T_ONESIDED:-120}" "$out/onesided.log" "${py[@]}" --timeout 45 tests/test
 step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
-IPC_DPSAMPLE_SWAP_CTAS_PER_SM=${BENCH_CTAS:-2} step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out"
+IPC_DPSAMPLE_SWAP_CTAS_PER_SM=${BENCH_CTAS:-2} step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out" ${BENCH_ARGS:-}
 step "${T_PROFILE:-0}" "$out/bench.log" python3 scripts/profile_host.py
 step "${T_NCCL:-0}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
 IPC_DPSAMPLE_KILL_TRIALS=${KILL_TRIALS:-20} step "${T_RELIABILITY:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py ${REL_K:+-k "$REL_K"}
