@@ -36,16 +36,18 @@ def body(rank: int, tp: int, group) -> bool:
         for it in range(3):
             g = [torch.Generator().manual_seed(10 * it + s) for s in range(tp)]
             xs = [torch.randn(pad_bs * n, vs, generator=g[s]).half() for s in range(tp)]
-            y = comm.swap_batch_vocab(xs[rank].cuda(), pad_bs=pad_bs)
             r = pad_bs // tp
             p = torch.arange(r * n, dtype=torch.int32).reshape(r, n) + 100 * rank
-            outs = comm.gather_verify_outputs(
-                p.cuda(),
-                (p + 7).cuda(),
-                torch.full((r,), rank, dtype=torch.int32).cuda(),
-                pad_bs=pad_bs,
-            )
-            lp = comm.gather_verify_logprobs(p.float().cuda(), pad_bs=pad_bs)
+            # every rank allocates and copies its inputs before any rank issues an op
+            # (see ipc_dpsample.testing.run_threads)
+            x_d, p_d, a_d = xs[rank].cuda(), p.cuda(), (p + 7).cuda()
+            ln_d, lp_d = torch.full((r,), rank, dtype=torch.int32).cuda(), p.float().cuda()
+            stream.synchronize()
+            group.barrier(timeout_s=60, what="inputs ready")
+            y = comm.swap_batch_vocab(x_d, pad_bs=pad_bs)
+            outs = comm.gather_verify_outputs(p_d, a_d, ln_d, pad_bs=pad_bs)
+            lp = comm.gather_verify_logprobs(lp_d, pad_bs=pad_bs)
+            group.barrier(timeout_s=60, what="launched")
             stream.synchronize()
             comm.check()
             rows = r * n

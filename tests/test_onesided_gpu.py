@@ -315,11 +315,16 @@ def _graph_body(rank, tp, group):
         p = torch.empty(r, n, dtype=torch.int32, device="cuda")
         a, ln = torch.empty_like(p), torch.empty(r, dtype=torch.int32, device="cuda")
         lp = torch.empty(r, n, dtype=torch.float32, device="cuda")
-        # eager warm-up (collective), then capture one at a time (capture runs nothing)
+        # eager warm-up (collective), then capture one at a time (capture runs nothing);
+        # every rank allocates before any rank issues (see run_threads)
         x.normal_()
+        p.fill_(1), a.fill_(2), ln.fill_(3), lp.fill_(4)
+        stream.synchronize()
+        group.barrier(timeout_s=60, what="allocated")
         comm.swap_batch_vocab(x, pad_bs=pad_bs)
-        comm.gather_verify_outputs(p.fill_(1), a.fill_(2), ln.fill_(3), pad_bs=pad_bs)
-        comm.gather_verify_logprobs(lp.fill_(4), pad_bs=pad_bs)
+        comm.gather_verify_outputs(p, a, ln, pad_bs=pad_bs)
+        comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
+        group.barrier(timeout_s=60, what="warm-up launched")
         stream.synchronize()
         group.barrier(timeout_s=60, what="before capture")
         g = torch.cuda.CUDAGraph()
@@ -394,8 +399,11 @@ def _cupy_graph_body(rank, tp, group):
         lp = cupy.zeros((r, n), dtype=cupy.float32)
         y_snap = cupy.empty((r * n, vs * tp), dtype=cupy.float32)  # no allocation in capture
         lp_snap = cupy.empty((pad_bs, n), dtype=cupy.float32)
+        stream.synchronize()
+        group.barrier(timeout_s=60, what="allocated")  # see _graph_body
         comm.swap_batch_vocab(x, pad_bs=pad_bs)
         comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
+        group.barrier(timeout_s=60, what="warm-up launched")
         stream.synchronize()
         group.barrier(timeout_s=60, what="before capture")
         with _capture_lock:
