@@ -256,8 +256,7 @@ def main() -> int:
     nbytes = big["pad_bs"] * big["n"] * big["vocab"] * 4  # all ranks' inputs together
     c = copy_limit_us(nbytes, args.reps)
     # tp ranks (the target), then tp=1 (one kernel alone: its own copy efficiency);
-    # graph mode adds the copy into the fixed output (see onesided.py), so it moves
-    # twice the bytes
+    # graph mode runs the entry barrier, then pushes into the fixed output
     big_points = [(tp, "eager")] if args.big_only else [(tp, "eager"), (tp, "graph"), (1, "eager")]
     for btp, mode in big_points:
         t = run_point(btp, mode=mode, reps=args.reps, per_rep=20, **big)
