@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
@@ -28,6 +29,13 @@ __all__ = ["DpSamplingComm"]
 
 ENV_BACKEND = "IPC_DPSAMPLE_BACKEND"
 _SETUP_TIMEOUT_S = 60.0
+
+
+def _gpu_sharing_ranks(recs: Sequence[PeerRecord]) -> int:
+    """Ranks whose (host, boot, GPU UUID) a lower rank already has; ranks whose GPU
+    UUID is unknown ("") are not counted (no evidence that they share)."""
+    known = [(r.host_id, r.boot_id, r.gpu_uuid) for r in recs if r.gpu_uuid]
+    return len(known) - len(set(known))
 
 
 def _env_true(name: str) -> bool:
@@ -254,6 +262,7 @@ class DpSamplingComm:
             has_torch_group=hasattr(self._group, "process_group"),
             ipc_verified=ipc_verified,
             ipc_detail=ipc_detail,
+            gpu_sharing_ranks=_gpu_sharing_ranks(recs) if cuda else 0,
         )
 
     def _gather_flag(self, value: bool, what: str, any_: bool = False) -> bool:

@@ -47,6 +47,9 @@ class Facts:
         it was not attempted.
     ipc_detail : str
         Why the IPC check failed (rank and cause).
+    gpu_sharing_ranks : int
+        Ranks that share a GPU with a lower rank (same host, boot and GPU UUID).
+        NCCL refuses two ranks on one GPU, so any such rank rules NCCL out.
     """
 
     requested: RequestedBackend
@@ -62,6 +65,7 @@ class Facts:
     has_torch_group: bool = True
     ipc_verified: bool | None = None
     ipc_detail: str = ""
+    gpu_sharing_ranks: int = 0
 
 
 def onesided_blockers(f: Facts) -> list[str]:
@@ -91,6 +95,11 @@ def _nccl_blockers(f: Facts) -> list[str]:
         reasons.append("CuPy cannot drive a GPU on every rank")
     if not f.nccl_available:
         reasons.append("cupy.cuda.nccl is not available (install NCCL, e.g. nvidia-nccl-cu12)")
+    if f.device_kind == "cuda" and f.gpu_sharing_ranks:
+        reasons.append(
+            f"{f.gpu_sharing_ranks} rank(s) share a GPU with another rank (NCCL refuses two "
+            "ranks on one GPU)"
+        )
     return reasons
 
 

@@ -528,7 +528,6 @@ def run_kill_trials(
 
 
 # -- stall shorter than the timeout (threads) ------------------------------------------
-STALL_PLAN = (("swap", 1), ("gather", 2), ("logprobs", 0), ("swap", 0))
 
 
 def _make_inputs(kind: str, rank: int, tp: int, n: int, vs: int, dtype: str, seed: int):

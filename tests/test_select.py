@@ -156,6 +156,36 @@ def test_every_combination_is_consistent(chunk: int) -> None:
             assert name == "onesided", combo
 
 
+def test_ranks_sharing_a_gpu_rule_out_nccl() -> None:
+    # auto: one-sided failed its IPC check, NCCL cannot take two ranks on one GPU
+    f = _facts(ipc_verified=False, ipc_detail="rank 1: injected", gpu_sharing_ranks=3)
+    name, reason = select_backend(f)
+    assert name == "torch"
+    assert "injected" in reason and "3 rank(s) share a GPU" in reason
+    with pytest.raises(BackendUnavailableError, match="NCCL refuses two ranks on one GPU"):
+        select_backend(dataclasses.replace(f, requested="nccl"))
+    # one-sided is unaffected: ranks sharing a GPU is what the IPC path supports
+    assert select_backend(_facts(gpu_sharing_ranks=3))[0] == "onesided"
+    # CPU data: not a fact about GPUs
+    assert select_backend(Facts(requested="auto", device_kind="cpu", gpu_sharing_ranks=2))[0] == (
+        "torch"
+    )
+
+
+def test_gpu_sharing_ranks_counts_repeated_gpus_only() -> None:
+    from types import SimpleNamespace
+
+    from ipc_dpsample.comm import _gpu_sharing_ranks
+
+    def rec(host: str, gpu: str) -> Any:
+        return SimpleNamespace(host_id=host, boot_id="b", gpu_uuid=gpu)
+
+    assert _gpu_sharing_ranks([rec("h", "GPU-a"), rec("h", "GPU-b")]) == 0
+    assert _gpu_sharing_ranks([rec("h", "GPU-a")] * 4) == 3
+    assert _gpu_sharing_ranks([rec("h1", "GPU-a"), rec("h2", "GPU-a")]) == 0  # two hosts
+    assert _gpu_sharing_ranks([rec("h", ""), rec("h", "")]) == 0  # unknown: no evidence
+
+
 def test_select_is_pure() -> None:
     f = _facts(hosts=2)
     assert select_backend(f) == select_backend(f)
