@@ -692,7 +692,14 @@ class OnesidedBackend(Backend):
                 f"rank {rank}: peer rank {peer} did not take part in {op_name} (epoch "
                 f"{expected}) within {self.cfg.timeout_s:g} s; last word seen from it: epoch "
                 f"{seen_epoch}. The peer died, stalled, or skipped the op; this communicator is "
-                "unusable: close it and build a new one",
+                "unusable: close it and build a new one"
+                + (
+                    " (ranks here are threads of one process: a rank that allocated, memset or "
+                    "copied GPU memory while a peer's op was in flight can stall it until this "
+                    "timeout; see ipc_dpsample.testing.run_threads)"
+                    if self._claim_stream is not None
+                    else ""
+                ),
                 rank=rank,
                 peer=peer,
                 op=op_name,
