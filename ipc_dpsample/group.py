@@ -160,6 +160,7 @@ class _ThreadShared:
         self.slots: dict[int, dict[int, bytes]] = {}
         self.readers: dict[int, int] = {}
         self.streams: dict[tuple[Any, int], int] = {}
+        self.failed: dict[int, str] = {}  # rank -> why it left (see ThreadGroup.abort)
 
 
 class ThreadGroup:
@@ -202,7 +203,14 @@ class ThreadGroup:
             slot = sh.slots.setdefault(op, {})
             slot[self._rank] = bytes(data)
             sh.cond.notify_all()
-            ok = sh.cond.wait_for(lambda: len(slot) >= sh.size, timeout=timeout_s)
+            ok = sh.cond.wait_for(lambda: len(slot) >= sh.size or sh.failed, timeout=timeout_s)
+            if len(slot) < sh.size and sh.failed:
+                first = min(sh.failed)
+                sh.slots.pop(op, None)
+                raise DpSampleError(
+                    f"rank {self._rank}: rank {first} of the thread group failed "
+                    f"({sh.failed[first]}); '{what}' abandoned instead of waiting {timeout_s:.1f} s"
+                )
             if not ok:
                 missing = sorted(set(range(sh.size)) - {k for k in slot if k >= 0})
                 raise DpSampleError(
@@ -220,6 +228,17 @@ class ThreadGroup:
 
     def barrier(self, *, timeout_s: float, what: str) -> None:
         self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)
+
+    def abort(self, reason: str) -> None:
+        """Declare that this rank left the group (it failed): every collective of the
+        group that is still waiting for it, now or later, raises
+        :class:`~ipc_dpsample.errors.DpSampleError` naming this rank and ``reason``
+        at once instead of waiting out its timeout. :func:`ipc_dpsample.testing.run_threads`
+        calls it for a rank whose body raised."""
+        sh = self._shared
+        with sh.cond:
+            sh.failed.setdefault(self._rank, reason)
+            sh.cond.notify_all()
 
     def claim_stream(self, owner: Any, stream: int) -> None:
         """Record that this rank issues ``owner``'s ops on ``stream``.

@@ -167,7 +167,8 @@ def run_threads(
 ) -> list[Any]:
     """Run ``body(rank, world_size, group, *args)`` on ``world_size`` threads of this
     process sharing a :class:`ThreadGroup`; re-raise the first failure with every
-    failing rank's traceback.
+    failing rank's traceback. A rank whose body raises leaves the group
+    (:meth:`ThreadGroup.abort`): peers waiting for it in a collective raise at once.
 
     Rules for bodies that drive one GPU from several rank threads:
 
@@ -200,8 +201,10 @@ def run_threads(
     def target(r: int) -> None:
         try:
             results[r] = body(r, world_size, groups[r], *args)
-        except BaseException:
+        except BaseException as exc:
             failures[r] = traceback.format_exc()
+            # peers waiting in a collective for this rank raise now, not at their timeout
+            groups[r].abort(f"{type(exc).__name__}: {str(exc)[:200]}")
 
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:

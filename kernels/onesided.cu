@@ -122,9 +122,13 @@ __device__ u32 wait_flag(const u64* flag, u32 e, u32 sig, u64 timeout_ns, ErrorB
 // The body issues UNROLL loads per thread before any store (memory-level
 // parallelism: a CTA copies a 32 KiB tile in one round trip), with the tail of
 // the last round predicated instead of falling back to one load at a time.
+#ifndef DP_SWAP_UNROLL
+#define DP_SWAP_UNROLL 4  // vector loads in flight per thread (host: IPC_DPSAMPLE_SWAP_UNROLL)
+#endif
+
 template <typename V>
 __device__ __forceinline__ void copy_block_vec(char* dst, const char* src, u64 n) {
-  constexpr int UNROLL = 4;
+  constexpr int UNROLL = DP_SWAP_UNROLL;
   const u64 A = sizeof(V);
   u64 head = (A - ((u64)dst & (A - 1))) & (A - 1);
   if (head > n) head = n;

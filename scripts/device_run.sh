@@ -26,15 +26,24 @@ step "${T_ONESIDED:-120}" "$out/onesided.log" "${py[@]}" --timeout 45 tests/test
 step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
-IPC_DPSAMPLE_SWAP_CTAS_PER_SM=${BENCH_CTAS:-2} step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out" ${BENCH_ARGS:-}
+# swap knobs, big swap only: KNOBS="ctas_per_sm:unroll ..." (each run its own process)
+for k in ${KNOBS:-}; do
+  IPC_DPSAMPLE_SWAP_CTAS_PER_SM=${k%%:*} IPC_DPSAMPLE_SWAP_UNROLL=${k##*:} step "${T_KNOB:-40}" "$out/knobs.log" python3 scripts/bench_onesided.py --big-only --reps 10 --out /tmp/knobs
+done
+step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out" ${BENCH_ARGS:-}
 step "${T_PROFILE:-0}" "$out/bench.log" python3 scripts/profile_host.py
 step "${T_NCCL:-0}" "$out/nccl.log" "${py[@]}" --timeout 40 tests/test_nccl_gpu.py
-IPC_DPSAMPLE_KILL_TRIALS=${KILL_TRIALS:-20} step "${T_RELIABILITY:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py ${REL_K:+-k "$REL_K"}
+step "${T_RELIABILITY:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py -k "not dead_peer"
+IPC_DPSAMPLE_RELIABILITY_OUT=$out/kill IPC_DPSAMPLE_KILL_TRIALS=${KILL_TRIALS:-20} step "${T_KILL:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 900 --basetemp=/tmp/rel tests/test_reliability_gpu.py -k dead_peer
 for f in $(find /tmp/rel -name "*.startup-error" 2>/dev/null | head -1) $(find /tmp/rel -name "pair*.log" 2>/dev/null | head -1); do
   echo "== $f" >> "$out/reliability.log"; tail -25 "$f" >> "$out/reliability.log"
 done
 step "${T_MEMCHECK:-0}" "$out/misc.log" "${san[@]}" memcheck python3 scripts/sanitize_smoke.py 2
-step "${T_SYNCCHECK:-0}" "$out/misc.log" "${san[@]}" synccheck python3 scripts/sanitize_smoke.py 1
+for tool in synccheck racecheck; do
+  for tp in ${SAN_TPS:-1}; do
+    step "${T_SYNCCHECK:-0}" "$out/misc.log" "${san[@]}" $tool python3 scripts/sanitize_smoke.py "$tp"
+  done
+done
 step "${T_DOCTOR:-0}" "$out/misc.log" python3 -m ipc_dpsample doctor
 step "${T_DEMO:-0}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-0}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
@@ -43,5 +52,6 @@ for f in onesided graph nccl reliability; do
   [ -f "$out/$f.log" ] && grep -E '^[0-9]+ (passed|failed)|^=* ?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in ' "$out/$f.log" | sed "s/^/$f: /"
 done
 grep -hE "^(FAILED|ERROR)" "$out"/*.log | cut -c1-300 | head -20
-grep -hE "^(# NVIDIA|what|swap|host|gather)" "$out/bench.log" | head -30
+grep -hE "^(# |what|swap|host|gather)" "$out/knobs.log" 2>/dev/null | grep -vE "^# gated" | head -40
+grep -hE "^(# NVIDIA|what|swap|host|gather)|FAILED" "$out/bench.log" | cut -c1-400 | head -30
 grep -E "ERROR SUMMARY|sanitize_smoke|^### " "$out/misc.log" | tail -24

@@ -512,6 +512,9 @@ def run_kill_trials(
         path = workdir / f"victim{t}.json"
         if path.exists():
             victim_error[t] = json.loads(path.read_text()).get("error", "")
+        start_err = path.with_suffix(".startup-error")
+        if start_err.exists():  # exit status 4: torch, CUDA or the store failed first
+            victim_error[t] = "start-up error:\n" + start_err.read_text()
     return {
         "jobs": jobs,
         "records": dict(records),

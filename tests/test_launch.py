@@ -118,3 +118,36 @@ def test_run_threads() -> None:
     with pytest.raises(RankFailure, match=r"(?s)rank 2 failed.*KeyError: 'thread rank 2'"):
         run_threads(3, body)
     assert run_threads(2, lambda r, w, g: r * 10) == [0, 10]
+
+
+def test_run_threads_a_failing_rank_releases_peers_waiting_for_it() -> None:
+    """Rank 1 raises before a barrier with a 60 s timeout: the others raise at once,
+    naming rank 1 and its error, and the whole run ends in well under the timeout."""
+
+    def body(rank: int, world: int, group: object) -> None:
+        group.barrier(timeout_s=10, what="start")  # type: ignore[attr-defined]
+        if rank == 1:
+            raise RuntimeError("rank 1 broke")
+        group.barrier(timeout_s=60, what="after the work")  # type: ignore[attr-defined]
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_threads(3, body, timeout_s=120)
+    assert time.monotonic() - t0 < 10
+    text = str(info.value)
+    assert "RuntimeError: rank 1 broke" in text
+    for r in (0, 2):
+        assert f"--- rank {r} failed ---" in text
+    assert (
+        "rank 1 of the thread group failed (RuntimeError: rank 1 broke); 'after the work' "
+        "abandoned" in text
+    )
+
+
+def test_thread_group_abort_is_seen_by_later_collectives() -> None:
+    from ipc_dpsample import DpSampleError, ThreadGroup
+
+    g = ThreadGroup.create(2)
+    g[1].abort("gone")
+    with pytest.raises(DpSampleError, match=r"rank 0: rank 1 of the thread group failed \(gone\)"):
+        g[0].barrier(timeout_s=30, what="x")

@@ -66,6 +66,8 @@ SWAP_BLOCK = int(os.environ.get("IPC_DPSAMPLE_SWAP_BLOCK", "512"))
 SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
 #: swap CTAs per SM (the kernel strides over its tiles, so this caps the grid)
 SWAP_CTAS_PER_SM = int(os.environ.get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "2"))
+#: 16-byte loads each thread issues before its stores (compile-time, DP_SWAP_UNROLL)
+SWAP_UNROLL = int(os.environ.get("IPC_DPSAMPLE_SWAP_UNROLL", "4"))
 GATHER_BLOCK = 512
 _EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
 if SWAP_BLOCK < 32 or SWAP_BLOCK % 32 or SWAP_BLOCK > 1024:
@@ -74,6 +76,9 @@ if SWAP_CHUNK < 16 or SWAP_CHUNK % 16:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CHUNK={SWAP_CHUNK} must be a positive multiple of 16")
 if not 1 <= SWAP_CTAS_PER_SM <= 32:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CTAS_PER_SM={SWAP_CTAS_PER_SM} must be in [1, 32]")
+if SWAP_UNROLL not in (1, 2, 4, 8, 16):
+    raise ValueError(f"IPC_DPSAMPLE_SWAP_UNROLL={SWAP_UNROLL} must be one of 1, 2, 4, 8, 16")
+_OPTIONS = (f"-DDP_SWAP_UNROLL={SWAP_UNROLL}",)
 #: How a swap runs once ops are captured in CUDA graphs: ``barrier`` (default: an
 #: entry barrier, then the push straight into one fixed output) or ``copy`` (the
 #: eager push, then a local copy of the finished region into the fixed output: no
@@ -202,7 +207,9 @@ def setup_onesided(
     code, reason = 0, ""
     with cupy.cuda.Device(device):
         try:
-            get_kernel(SOURCE, "dp_swap_push", device)  # compile before anything is shared
+            get_kernel(
+                SOURCE, "dp_swap_push", device, _OPTIONS
+            )  # compile before anything is shared
             arena = Arena(layout, device)
             handle = arena.ipc_handle()
         except Exception as exc:
@@ -251,7 +258,7 @@ def setup_onesided(
             for prec in peer_recs:
                 opened.append(open_peer(prec, rank, device))
             table = upload_u64_table(opened, device)
-            probe = get_kernel(SOURCE, "dp_probe_write", device)
+            probe = get_kernel(SOURCE, "dp_probe_write", device, _OPTIONS)
             for dst, base in enumerate(opened):
                 value = probe_value(rank, dst, os.getpid())
                 probe((1,), (32,), (base + layout.probe_off + 8 * rank, value))
@@ -361,10 +368,10 @@ class OnesidedBackend(Backend):
         self._opened = opened
         self._peer_recs = peer_recs
         self._table = table  # device uint64[tp], kept alive here
-        self._swap = get_kernel(SOURCE, "dp_swap_push", device)
-        self._gather = get_kernel(SOURCE, "dp_gather_ll", device)
-        self._enter = get_kernel(SOURCE, "dp_swap_enter", device)
-        self._copy_out = get_kernel(SOURCE, "dp_swap_copy_out", device)
+        self._swap = get_kernel(SOURCE, "dp_swap_push", device, _OPTIONS)
+        self._gather = get_kernel(SOURCE, "dp_gather_ll", device, _OPTIONS)
+        self._enter = get_kernel(SOURCE, "dp_swap_enter", device, _OPTIONS)
+        self._copy_out = get_kernel(SOURCE, "dp_swap_copy_out", device, _OPTIONS)
         self._logits_dtype: str | None = None
         self._timeout_ns = int(cfg.timeout_s * 1e9)
         self._parity_mask = 0 if os.environ.get(ENV_SINGLE_BUFFER) == "1" else 1
@@ -644,16 +651,31 @@ class OnesidedBackend(Backend):
     ) -> tuple[Any, Any, Any]:
         ptrs = (info.ptr, _ptr(accept_index, info.kind), _ptr(accept_length, info.kind))
         self._launch_gather(0, ptrs, info, pad_bs, stream)
-        lay, base, n, k = self.layout, self.arena.ptr, self.cfg.num_tokens_per_req, info.kind
-        return (
-            self._view(k, ("predict", pad_bs), base + lay.out_predict_off, (pad_bs, n), "int32"),
-            self._view(
-                k, ("accept_index", pad_bs), base + lay.out_accept_index_off, (pad_bs, n), "int32"
-            ),
-            self._view(
-                k, ("accept_length", pad_bs), base + lay.out_accept_length_off, (pad_bs,), "int32"
-            ),
-        )
+        k = info.kind
+        outs = self._views.get((("verify_outputs", pad_bs), k))
+        if outs is None:  # the three views, built once per (pad_bs, array type)
+            lay, base, n = self.layout, self.arena.ptr, self.cfg.num_tokens_per_req
+            outs = (
+                self._view(
+                    k, ("predict", pad_bs), base + lay.out_predict_off, (pad_bs, n), "int32"
+                ),
+                self._view(
+                    k,
+                    ("accept_index", pad_bs),
+                    base + lay.out_accept_index_off,
+                    (pad_bs, n),
+                    "int32",
+                ),
+                self._view(
+                    k,
+                    ("accept_length", pad_bs),
+                    base + lay.out_accept_length_off,
+                    (pad_bs,),
+                    "int32",
+                ),
+            )
+            self._views[(("verify_outputs", pad_bs), k)] = outs
+        return outs
 
     def gather_verify_logprobs(
         self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, stream: Any
