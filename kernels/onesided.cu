@@ -164,9 +164,41 @@ __device__ __forceinline__ void copy_block(char* dst, const char* src, u64 n) {
   }
 }
 
-// swap_batch_vocab: one launch. CTAs stride over the tiles (destination, row,
-// chunk); rows for the own rank stay local. Every CTA fences and bumps the local counter; the
-// last CTA alone signals the peers (thread t -> peer t) and waits for them.
+// The swap's data movement: CTAs stride over the tiles (destination, row, chunk);
+// rows for the own rank stay local. I is the tile index type: 32-bit whenever the
+// tile count fits (the per-tile index math is then a few instructions, not three
+// 64-bit divisions that stall the warp between its loads); byte offsets stay 64-bit.
+template <typename I>
+__device__ __forceinline__ void push_tiles(u64 src_ptr, const u64* peers, u64 region_off,
+                                           i64 rank, i64 tp, i64 rows_per_dest, i64 shard_bytes,
+                                           i64 row_bytes_out, i64 chunks_per_row,
+                                           i64 chunk_bytes) {
+  const I cpr = (I)chunks_per_row;
+  const I per_dest = (I)rows_per_dest * cpr;
+  const I ntp = (I)tp;
+  const I tiles = ntp * per_dest;
+  const u64 sb = (u64)shard_bytes, cb = (u64)chunk_bytes;
+  for (I b = blockIdx.x; b < tiles; b += gridDim.x) {
+    const I di = b / per_dest;
+    const I rem = b - di * per_dest;
+    const I row = rem / cpr;
+    const I chunk = rem - row * cpr;
+    // rotate destinations so ranks do not all target the same peer at once
+    I dest = (I)rank + 1 + di;  // < 2 tp
+    if (dest >= ntp) dest -= ntp;
+    const u64 c0 = (u64)chunk * cb;
+    u64 n = sb - c0;
+    if (n > cb) n = cb;
+    const char* s = (const char*)src_ptr + ((u64)dest * (u64)rows_per_dest + row) * sb + c0;
+    char* d = (char*)(peers[dest] + region_off) + (u64)row * (u64)row_bytes_out +
+              (u64)rank * sb + c0;
+    copy_block(d, s, n);
+  }
+}
+
+// swap_batch_vocab: one launch. Every CTA moves its tiles (push_tiles), fences and
+// bumps the local counter; the last CTA alone signals the peers (thread t -> peer t)
+// and waits for them.
 extern "C" __global__ void dp_swap_push(
     u64 src_ptr,          // local_logits [pad_bs*N, Vs] (bytes: shard_bytes per row)
     u64 peers_ptr,        // u64[tp] peer arena bases (own base at [rank])
@@ -189,29 +221,17 @@ extern "C" __global__ void dp_swap_push(
   if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
   const u32 e = ((volatile u32*)ctrl)[CTRL_EPOCH] + 1u;
   const u64 parity = e & 1u;
-  const u64 dparity = parity & data_parity_mask;
+  const u64 region_off = swap_off + (parity & data_parity_mask) * swap_region_bytes;
 
-  // tiles (destination, row, chunk), grid-stride: the host launches at most a few
-  // CTAs per SM, so each CTA's fence and counter bump is paid once, not per tile
-  const i64 per_dest = rows_per_dest * chunks_per_row;
-  const i64 tiles = tp * per_dest;
-  for (i64 b = blockIdx.x; b < tiles; b += gridDim.x) {
-    const i64 di = b / per_dest;
-    const i64 rem = b - di * per_dest;
-    const i64 row = rem / chunks_per_row;
-    const i64 chunk = rem - row * chunks_per_row;
-    // rotate destinations so ranks do not all target the same peer at once
-    const i64 dest = (rank + 1 + di) % tp;
-    const i64 c0 = chunk * chunk_bytes;
-    i64 n = shard_bytes - c0;
-    if (n > chunk_bytes) n = chunk_bytes;
-    if (n > 0) {
-      const char* s = (const char*)src_ptr + (dest * rows_per_dest + row) * shard_bytes + c0;
-      char* d = (char*)(peers[dest] + swap_off + dparity * swap_region_bytes) +
-                row * row_bytes_out + rank * shard_bytes + c0;
-      copy_block(d, s, (u64)n);
-    }
-  }
+  // grid-stride: the host launches at most a few CTAs per SM, so each CTA's fence
+  // and counter bump is paid once, not per tile
+  const u64 tiles = (u64)tp * (u64)rows_per_dest * (u64)chunks_per_row;
+  if (tiles <= 0xffffffffull)
+    push_tiles<u32>(src_ptr, peers, region_off, rank, tp, rows_per_dest, shard_bytes,
+                    row_bytes_out, chunks_per_row, chunk_bytes);
+  else
+    push_tiles<u64>(src_ptr, peers, region_off, rank, tp, rows_per_dest, shard_bytes,
+                    row_bytes_out, chunks_per_row, chunk_bytes);
 
   __shared__ u32 last;
   __syncthreads();

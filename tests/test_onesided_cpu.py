@@ -175,3 +175,22 @@ def test_failure_injection_hook(monkeypatch):
     assert not injected_failure("verify", 1)
     monkeypatch.delenv("IPC_DPSAMPLE_TEST_FAIL_IPC")
     assert not injected_failure("open", 1)
+
+
+def test_swap_block_fits_the_chunk_to_one_round_of_loads() -> None:
+    from ipc_dpsample.backends import onesided as ob
+
+    if ob.SWAP_UNROLL != 4 or ob.SWAP_BLOCK != 512:
+        pytest.skip("IPC_DPSAMPLE_SWAP_UNROLL/BLOCK are set: the figures below assume 4/512")
+    # V=152064 fp32 at tp=8: 76032-byte row shards in three 25344-byte chunks = 1584
+    # 16-byte vectors; 13 warps x 32 lanes x 4 loads = 1664 slots (95 % busy), where
+    # 512 threads would give 2048 (77 %)
+    assert ob.swap_block(25344, 8) == 416
+    assert ob.swap_block(32016, 1) == 512  # tp=1: 19 chunks of a 608256-byte row
+    assert ob.swap_block(1 << 20, 8) == 512  # capped at IPC_DPSAMPLE_SWAP_BLOCK
+    assert ob.swap_block(16, 8) == 32
+    assert ob.swap_block(16, 40) == 64  # thread t signals peer t
+    for chunk in (16, 100, 2048, 2049, 25344, 32768):
+        b = ob.swap_block(chunk, 2)
+        assert b % 32 == 0 and b * 4 * 16 >= min(chunk, 512 * 64)
+        assert b == 32 or (b - 32) * 4 * 16 < chunk  # the fewest warps that suffice

@@ -68,6 +68,9 @@ SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
 SWAP_CTAS_PER_SM = int(os.environ.get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "2"))
 #: 16-byte loads each thread issues before its stores (compile-time, DP_SWAP_UNROLL)
 SWAP_UNROLL = int(os.environ.get("IPC_DPSAMPLE_SWAP_UNROLL", "4"))
+#: 1: size the swap's CTAs to its chunk (a CTA moves a chunk in one round of loads,
+#: with few idle lanes); 0: always IPC_DPSAMPLE_SWAP_BLOCK threads
+SWAP_FIT = os.environ.get("IPC_DPSAMPLE_SWAP_FIT", "1") != "0"
 GATHER_BLOCK = 512
 _EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
 if SWAP_BLOCK < 32 or SWAP_BLOCK % 32 or SWAP_BLOCK > 1024:
@@ -149,6 +152,17 @@ class _Launch:
                 driver.launchKernel(
                     self._func, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
                 )
+
+
+def swap_block(chunk_bytes: int, tp: int) -> int:
+    """Threads per swap CTA: the fewest warps that move a ``chunk_bytes`` chunk in one
+    round of ``SWAP_UNROLL`` 16-byte loads per thread (at most ``SWAP_BLOCK``, at least
+    ``tp``: thread t signals peer t). A 512-thread CTA moves 32 KiB per round; a chunk
+    of 25 KiB (V/tp fp32 rows at tp=8, V=152064, cut in three) would leave a quarter
+    of its lanes idle in every round."""
+    per_warp = 32 * 16 * SWAP_UNROLL
+    warps = -(-chunk_bytes // per_warp)
+    return max(32 * -(-tp // 32), min(SWAP_BLOCK, 32 * warps))
 
 
 def probe_value(src: int, dst: int, pid: int) -> int:
@@ -473,6 +487,7 @@ class OnesidedBackend(Backend):
             chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
             tiles = cfg.tp_size * rows * chunks
             grid = max(1, min(tiles, self._sm_count * SWAP_CTAS_PER_SM))
+            block = swap_block(chunk_bytes, cfg.tp_size) if SWAP_FIT else SWAP_BLOCK
             sigs = [
                 self._sig("swap_batch_vocab", self._logits_dtype, pad_bs, fixed)
                 for fixed in (False, True)
@@ -488,7 +503,7 @@ class OnesidedBackend(Backend):
                     self._swap,
                     self.device,
                     grid,
-                    SWAP_BLOCK,
+                    block,
                     (
                         0,  # the input pointer, set per call
                         table,
