@@ -217,6 +217,46 @@ def describe(x: Any, name: str = "array") -> ArrayInfo:
     return ArrayInfo(kind, ptr, shape, _numpy_dtype_name(dtype), dev, contiguous)
 
 
+_TORCH_DTYPES: dict[str, Any] = {}  # canonical name -> torch dtype, filled on first use
+_TORCH_STRIDED: list[Any] = []  # [torch.strided] once torch has been imported here
+
+
+def torch_fast_info(x: Any, shape: tuple[int, ...], dtype: str, device: int) -> ArrayInfo | None:
+    """The hot path of argument checking: ``x``'s :class:`ArrayInfo` when it is a
+    dense C-contiguous torch tensor of exactly ``shape`` and ``dtype`` on ``device``
+    (-1: host memory), else None. None decides nothing: the caller then runs
+    :func:`describe` and its full checks, which accept or name what is wrong. About a
+    third of the cost of :func:`describe` plus those checks (no ``tuple(x.shape)``,
+    no dtype string, a single tuple allocation)."""
+    if _KINDS.get(type(x)) is not ArrayKind.TORCH:
+        return None
+    want = _TORCH_DTYPES.get(dtype)
+    if want is None:
+        import torch
+
+        want = getattr(torch, dtype, None)
+        if not isinstance(want, torch.dtype):
+            return None
+        _TORCH_DTYPES[dtype] = want
+        _TORCH_STRIDED.append(torch.strided)
+    try:  # anything unusual (nested, sparse, meta, subclasses...) takes the full path
+        if x.is_nested or x.layout is not _TORCH_STRIDED[0]:
+            return None
+        if x.dtype is not want or x.shape != shape:
+            return None
+        if device >= 0:
+            if not x.is_cuda or x.get_device() != device:
+                return None
+        elif not x.is_cpu:
+            return None
+        if not x.is_contiguous():
+            return None
+        ptr = x.data_ptr()
+    except Exception:
+        return None
+    return tuple.__new__(ArrayInfo, (ArrayKind.TORCH, ptr, shape, dtype, device, True))
+
+
 def _numpy_dtype_name(dtype: Any) -> str:
     """The dtype's name, marked when its byte order is not native (never accepted)."""
     if dtype.byteorder not in ("=", "|") and dtype.byteorder != _NATIVE:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .arrays import ITEMSIZE, ArrayInfo, ArrayKind, describe, normalize_dtype
+from .arrays import ITEMSIZE, ArrayInfo, ArrayKind, describe, normalize_dtype, torch_fast_info
 from .backends.base import Backend
 from .config import (
     BACKENDS,
@@ -418,9 +418,8 @@ class DpSamplingComm:
                 "logits dtype unknown: pass logits_dtype= to the constructor or call "
                 "prepare_verify_outputs(dtype) first"
             )
-        info = describe(local_logits, "local_logits")
         expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
-        self._check_array("local_logits", info, expected, dtype)
+        info = self._arg(local_logits, "local_logits", expected, dtype)
         assert self._backend is not None
         return self._backend.swap_batch_vocab(local_logits, info, pad_bs=pad_bs, stream=stream)
 
@@ -453,12 +452,9 @@ class DpSamplingComm:
         cfg = self.config
         cfg.validate_pad_bs(pad_bs)
         r, n = pad_bs // cfg.tp_size, cfg.num_tokens_per_req
-        info = describe(predict_local, "predict_local")
-        self._check_array("predict_local", info, (r, n), "int32")
-        ai = describe(accept_index_local, "accept_index_local")
-        self._check_array("accept_index_local", ai, (r, n), "int32", info.kind)
-        al = describe(accept_length_local, "accept_length_local")
-        self._check_array("accept_length_local", al, (r,), "int32", info.kind)
+        info = self._arg(predict_local, "predict_local", (r, n), "int32")
+        self._arg(accept_index_local, "accept_index_local", (r, n), "int32", info.kind)
+        self._arg(accept_length_local, "accept_length_local", (r,), "int32", info.kind)
         assert self._backend is not None
         return self._backend.gather_verify_outputs(
             predict_local,
@@ -489,9 +485,11 @@ class DpSamplingComm:
         self._check_open()
         cfg = self.config
         cfg.validate_pad_bs(pad_bs)
-        info = describe(logprobs_local, "logprobs_local")
-        self._check_array(
-            "logprobs_local", info, (pad_bs // cfg.tp_size, cfg.num_tokens_per_req), "float32"
+        info = self._arg(
+            logprobs_local,
+            "logprobs_local",
+            (pad_bs // cfg.tp_size, cfg.num_tokens_per_req),
+            "float32",
         )
         assert self._backend is not None
         return self._backend.gather_verify_logprobs(
@@ -543,6 +541,22 @@ class DpSamplingComm:
     def _check_open(self) -> None:
         if self._closed or self._backend is None:
             raise DpSampleError("this DpSamplingComm is closed; create a new one")
+
+    def _arg(
+        self,
+        x: Any,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        kind: ArrayKind | None = None,
+    ) -> ArrayInfo:
+        """``x`` described and checked against ``shape``, ``dtype``, this device and
+        (when given) the array ``kind`` of the call's other arguments."""
+        info = torch_fast_info(x, shape, dtype, self._device)
+        if info is None or (kind is not None and kind is not ArrayKind.TORCH):
+            info = describe(x, name)
+            self._check_array(name, info, shape, dtype, kind)
+        return info
 
     def _check_array(
         self,

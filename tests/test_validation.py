@@ -450,3 +450,32 @@ def test_validation_at_tp2_pad_bs_multiple_and_shapes() -> None:
     assert results, "no rank ran"
     for done in results:
         assert done >= 150
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+def test_torch_fast_info_agrees_with_describe() -> None:
+    """The hot-path check accepts exactly the valid tensors it recognises, with the
+    same ArrayInfo that describe() gives, and declines (None) everything else."""
+    import torch
+
+    from ipc_dpsample.arrays import describe, torch_fast_info
+
+    base = torch.arange(24, dtype=torch.int32).reshape(6, 4)
+    describe(base)  # the type is known from here on (the fast path needs that)
+    ok = torch_fast_info(base, (6, 4), "int32", -1)
+    assert ok is not None and ok == describe(base)
+    assert isinstance(ok.shape, tuple) and ok.ptr == base.data_ptr()
+    declined = {
+        "shape": torch_fast_info(base, (4, 6), "int32", -1),
+        "dtype": torch_fast_info(base, (6, 4), "float32", -1),
+        "device": torch_fast_info(base, (6, 4), "int32", 0),
+        "strided": torch_fast_info(base.t(), (4, 6), "int32", -1),
+        "sliced": torch_fast_info(base[:, :2], (6, 2), "int32", -1),
+        "sparse": torch_fast_info(base.to_sparse(), (6, 4), "int32", -1),
+        "nested": torch_fast_info(
+            torch.nested.nested_tensor([base[0], base[1, :2]]), (6, 4), "int32", -1
+        ),
+        "numpy": torch_fast_info(base.numpy(), (6, 4), "int32", -1),
+        "unknown dtype name": torch_fast_info(base, (6, 4), "no_such_dtype", -1),
+    }
+    assert all(v is None for v in declined.values()), declined
