@@ -86,9 +86,9 @@ def _op_call(comm, op, rank, tp, pad_bs, n, vs, dtype):
     return lambda: comm.gather_verify_logprobs(x[0], pad_bs=pad_bs)
 
 
-#: length of the start gate (GPU cycles of torch.cuda._sleep; ~30 ms at 2 GHz): longer
+#: length of the start gate (GPU cycles of torch.cuda._sleep; ~60 ms at 2 GHz): longer
 #: than the rank threads need to issue one rep's ops, so they all start at once
-GATE_CYCLES = 60_000_000
+GATE_CYCLES = 120_000_000
 
 
 class Gate:
