@@ -125,6 +125,34 @@ __device__ u32 wait_flag(const u64* flag, u32 e, u32 sig, u64 timeout_ns, ErrorB
 #ifndef DP_SWAP_UNROLL
 #define DP_SWAP_UNROLL 4  // vector loads in flight per thread (host: IPC_DPSAMPLE_SWAP_UNROLL)
 #endif
+#ifndef DP_SWAP_STREAMING
+#define DP_SWAP_STREAMING 0  // 1: 16-byte moves with streaming cache hints (IPC_DPSAMPLE_SWAP_STREAMING)
+#endif
+
+// Vector load/store of the copy loop. With DP_SWAP_STREAMING the 16-byte path reads
+// through the non-coherent path without L1 allocation, asking L2 to fetch 256-byte
+// blocks, and stores evict-first: every byte is touched once. The source is the
+// caller's input, which no kernel writes while the swap runs.
+template <typename V>
+__device__ __forceinline__ V ld_vec(const V* p) { return *p; }
+template <typename V>
+__device__ __forceinline__ void st_vec(V* p, const V& v) { *p = v; }
+#if DP_SWAP_STREAMING
+template <>
+__device__ __forceinline__ uint4 ld_vec<uint4>(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+template <>
+__device__ __forceinline__ void st_vec<uint4>(uint4* p, const uint4& v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+#endif
 
 template <typename V>
 __device__ __forceinline__ void copy_block_vec(char* dst, const char* src, u64 n) {
@@ -141,10 +169,10 @@ __device__ __forceinline__ void copy_block_vec(char* dst, const char* src, u64 n
     V r[UNROLL];
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k)
-      if (i + k * bd < nv) r[k] = sv[i + k * bd];
+      if (i + k * bd < nv) r[k] = ld_vec<V>(sv + i + k * bd);
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k)
-      if (i + k * bd < nv) dv[i + k * bd] = r[k];
+      if (i + k * bd < nv) st_vec<V>(dv + i + k * bd, r[k]);
   }
   for (u64 k = head + nv * A + threadIdx.x; k < n; k += bd) dst[k] = src[k];
 }

@@ -304,7 +304,9 @@ def main() -> int:
         f"# swap knobs: CTAs/SM={os.environ.get('IPC_DPSAMPLE_SWAP_CTAS_PER_SM', 'default')} "
         f"unroll={os.environ.get('IPC_DPSAMPLE_SWAP_UNROLL', 'default')} "
         f"chunk={os.environ.get('IPC_DPSAMPLE_SWAP_CHUNK', 'default')} "
-        f"block={os.environ.get('IPC_DPSAMPLE_SWAP_BLOCK', 'default')}"
+        f"block={os.environ.get('IPC_DPSAMPLE_SWAP_BLOCK', 'default')} "
+        f"fit={os.environ.get('IPC_DPSAMPLE_SWAP_FIT', 'default')} "
+        f"streaming={os.environ.get('IPC_DPSAMPLE_SWAP_STREAMING', 'default')}"
     )
     print(
         "# gated: every rank's stream waits at one event until all ranks have issued, "

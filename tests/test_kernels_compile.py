@@ -14,9 +14,16 @@ SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 
 
+# the one-sided kernels' compile-time knobs (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING)
+KNOBS = {"default": [], "unroll8-streaming": ["-DDP_SWAP_UNROLL=8", "-DDP_SWAP_STREAMING=1"]}
+
+
+@pytest.mark.parametrize("knobs", sorted(KNOBS))
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("source", SOURCES or [None], ids=lambda p: p.name if p else "none")
-def test_kernel_compiles_without_warnings(source: Path | None, arch: str, tmp_path: Path) -> None:
+def test_kernel_compiles_without_warnings(
+    source: Path | None, arch: str, knobs: str, tmp_path: Path
+) -> None:
     if NVCC is None:
         pytest.skip("nvcc not found on PATH (install the CUDA toolkit to compile the kernels)")
     if source is None:
@@ -25,6 +32,7 @@ def test_kernel_compiles_without_warnings(source: Path | None, arch: str, tmp_pa
         NVCC,
         f"-arch={arch}",
         "-std=c++17",
+        *KNOBS[knobs],
         "-Werror",
         "all-warnings",
         "-I",

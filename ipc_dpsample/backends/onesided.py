@@ -81,7 +81,9 @@ if not 1 <= SWAP_CTAS_PER_SM <= 32:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CTAS_PER_SM={SWAP_CTAS_PER_SM} must be in [1, 32]")
 if SWAP_UNROLL not in (1, 2, 4, 8, 16):
     raise ValueError(f"IPC_DPSAMPLE_SWAP_UNROLL={SWAP_UNROLL} must be one of 1, 2, 4, 8, 16")
-_OPTIONS = (f"-DDP_SWAP_UNROLL={SWAP_UNROLL}",)
+#: 1: the swap's 16-byte moves use streaming cache hints (compile-time, DP_SWAP_STREAMING)
+SWAP_STREAMING = os.environ.get("IPC_DPSAMPLE_SWAP_STREAMING", "0") != "0"
+_OPTIONS = (f"-DDP_SWAP_UNROLL={SWAP_UNROLL}", f"-DDP_SWAP_STREAMING={int(SWAP_STREAMING)}")
 #: How a swap runs once ops are captured in CUDA graphs: ``barrier`` (default: an
 #: entry barrier, then the push straight into one fixed output) or ``copy`` (the
 #: eager push, then a local copy of the finished region into the fixed output: no
