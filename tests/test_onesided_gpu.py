@@ -156,48 +156,69 @@ def _alternating_body(
     ):
         if fixed_output:
             comm._backend._graphed = True  # what the first captured op switches on
+        # Every input, reference and snapshot buffer exists before the first op: a
+        # rank thread that allocates (a cold caching allocator calls cudaMalloc)
+        # while a peer's kernel waits for it can stall both until the timeout (the
+        # run_threads rules; seen once here at 925c442: a rank timed out at op 2).
+        plan = []
+        for i in range(n_ops):
+            kind = 0 if swaps_only else i % 3
+            if kind == 0:
+                xs = all_inputs(7 * i, tp, pad_bs, n, vs, "bfloat16", device="cuda")
+                args = (xs[rank].contiguous(),)
+                ref = swap_reference_torch(xs, rank, tp, pad_bs, n).contiguous()
+            elif kind == 1:
+                p, a, ln, _ = all_verify(7 * i, tp, pad_bs, n, device="cuda")
+                args = (p[rank].contiguous(), a[rank].contiguous(), ln[rank].contiguous())
+                ref = torch.cat([p.reshape(-1), a.reshape(-1), ln.reshape(-1)])
+            else:
+                *_, lp = all_verify(7 * i, tp, pad_bs, n, device="cuda")
+                args = (lp[rank].contiguous(),)
+                ref = lp.reshape(-1, n).contiguous()
+            plan.append((kind, args, ref, torch.empty_like(ref)))
+        stream.synchronize()
+        group.barrier(timeout_s=60, what="inputs of every op allocated")
         try:
-            for i in range(n_ops):
+            for i, (kind, args, _, snap) in enumerate(plan):
                 if delays and rng.random() < 0.3:
                     time.sleep(rng.uniform(0, 0.002))
                 if delays and rng.random() < 0.3:
                     torch.cuda._sleep(rng.randint(0, 200_000))
-                kind = 0 if swaps_only else i % 3
                 if kind == 0:
-                    xs = all_inputs(7 * i, tp, pad_bs, n, vs, "bfloat16", device="cuda")
-                    out = comm.swap_batch_vocab(xs[rank].contiguous(), pad_bs=pad_bs)
-                    ref = swap_reference_torch(xs, rank, tp, pad_bs, n)
+                    out = comm.swap_batch_vocab(*args, pad_bs=pad_bs)
                 elif kind == 1:
-                    p, a, ln, _ = all_verify(7 * i, tp, pad_bs, n, device="cuda")
-                    out = comm.gather_verify_outputs(
-                        p[rank].contiguous(),
-                        a[rank].contiguous(),
-                        ln[rank].contiguous(),
-                        pad_bs=pad_bs,
-                    )
-                    out = torch.cat([out[0].reshape(-1), out[1].reshape(-1), out[2]])
-                    ref = torch.cat([p.reshape(-1), a.reshape(-1), ln.reshape(-1)])
+                    out = comm.gather_verify_outputs(*args, pad_bs=pad_bs)
                 else:
-                    *_, lp = all_verify(7 * i, tp, pad_bs, n, device="cuda")
-                    out = comm.gather_verify_logprobs(lp[rank].contiguous(), pad_bs=pad_bs)
-                    ref = lp.reshape(-1, n)
+                    out = comm.gather_verify_logprobs(*args, pad_bs=pad_bs)
                 if delays and rng.random() < 0.5:
                     torch.cuda._sleep(rng.randint(0, 4_000_000))  # slow consumer, up to ~2 ms
-                snap = out.clone()
+                # the consumer reads the output on the stream into this op's snapshot,
+                # with a kernel (x * 1 is exact here), not copy_: a same-device memcpy is
+                # one of CUDA's implicitly synchronising calls
+                if kind == 1:
+                    k0, k1 = out[0].numel(), out[0].numel() + out[1].numel()
+                    torch.mul(out[0].reshape(-1), 1, out=snap[:k0])
+                    torch.mul(out[1].reshape(-1), 1, out=snap[k0:k1])
+                    torch.mul(out[2], 1, out=snap[k1:])
+                else:
+                    torch.mul(out, 1, out=snap)
                 # every rank has launched op i before anyone blocks on the GPU: a host
                 # thread waiting in a sync must never be what keeps a peer from launching
                 group.barrier(timeout_s=60, what=f"op {i} launched")
-                if not torch.equal(snap, ref):
-                    bad += 1
-                    if first_bad is None:
-                        wrong = (snap != ref).nonzero()
-                        first_bad = (i, kind, int(wrong.shape[0]), wrong[:4].tolist())
                 comm.check()
         except DpSampleError as exc:
-            error = f"{type(exc).__name__}: {exc} (first wrong op: {first_bad})"
+            error = f"{type(exc).__name__}: {exc}"
         finally:
             stream.synchronize()
             group.barrier(timeout_s=60, what="end of alternating run")
+        for i, (kind, _, ref, snap) in enumerate(plan):  # every op, after the run
+            if not torch.equal(snap, ref):
+                bad += 1
+                if first_bad is None:
+                    wrong = (snap != ref).nonzero()
+                    first_bad = (i, kind, int(wrong.shape[0]), wrong[:4].tolist())
+        if error is not None:
+            error += f" (first wrong op: {first_bad})"
     if bad and error is None:
         error = f"first wrong op: {first_bad}"
     results[rank] = (bad, error)

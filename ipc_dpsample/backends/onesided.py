@@ -64,8 +64,10 @@ __all__ = ["OnesidedBackend", "setup_onesided"]
 SOURCE = "onesided.cu"
 SWAP_BLOCK = int(os.environ.get("IPC_DPSAMPLE_SWAP_BLOCK", "512"))
 SWAP_CHUNK = int(os.environ.get("IPC_DPSAMPLE_SWAP_CHUNK", "32768"))
-#: swap CTAs per SM (the kernel strides over its tiles, so this caps the grid)
-SWAP_CTAS_PER_SM = int(os.environ.get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "2"))
+#: swap CTAs per SM (the kernel strides over its tiles, so this caps the grid). On
+#: one H200 (tp=8 ranks sharing it, fitted CTAs) 1, 2 and 3 gave 0.901-0.904 of the
+#: copy limit, 4 and 8 less; see BENCHMARKS.md
+SWAP_CTAS_PER_SM = int(os.environ.get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "3"))
 #: 16-byte loads each thread issues before its stores (compile-time, DP_SWAP_UNROLL)
 SWAP_UNROLL = int(os.environ.get("IPC_DPSAMPLE_SWAP_UNROLL", "4"))
 #: 1: size the swap's CTAs to its chunk (a CTA moves a chunk in one round of loads,
@@ -81,7 +83,9 @@ if not 1 <= SWAP_CTAS_PER_SM <= 32:
     raise ValueError(f"IPC_DPSAMPLE_SWAP_CTAS_PER_SM={SWAP_CTAS_PER_SM} must be in [1, 32]")
 if SWAP_UNROLL not in (1, 2, 4, 8, 16):
     raise ValueError(f"IPC_DPSAMPLE_SWAP_UNROLL={SWAP_UNROLL} must be one of 1, 2, 4, 8, 16")
-#: 1: the swap's 16-byte moves use streaming cache hints (compile-time, DP_SWAP_STREAMING)
+#: 1: the swap's 16-byte moves use streaming cache hints (compile-time,
+#: DP_SWAP_STREAMING). Off: on one H200 it moved the tp=8 swap from 0.90 to 0.81-0.84
+#: of the copy limit
 SWAP_STREAMING = os.environ.get("IPC_DPSAMPLE_SWAP_STREAMING", "0") != "0"
 _OPTIONS = (f"-DDP_SWAP_UNROLL={SWAP_UNROLL}", f"-DDP_SWAP_STREAMING={int(SWAP_STREAMING)}")
 #: How a swap runs once ops are captured in CUDA graphs: ``barrier`` (default: an
