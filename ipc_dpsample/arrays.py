@@ -357,6 +357,9 @@ def make_view(
     raise TypeError(f"cannot make a device view of kind {kind.value}")
 
 
+_TORCH_RAW_STREAM: list[Any] = []  # [torch._C._cuda_getCurrentRawStream] once found
+
+
 def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
     """Raw ``cudaStream_t`` handle for an op on ``device``.
 
@@ -367,10 +370,13 @@ def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
     """
     if stream is None:
         if kind is ArrayKind.TORCH:
+            if _TORCH_RAW_STREAM:  # bound once: no import statement on the hot path
+                return int(_TORCH_RAW_STREAM[0](device))
             import torch
 
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             if raw is not None:  # the handle alone: no Python Stream object per call
+                _TORCH_RAW_STREAM.append(raw)
                 return int(raw(device))
             return int(torch.cuda.current_stream(device).cuda_stream)
         if kind is ArrayKind.CUPY:
