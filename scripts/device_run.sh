@@ -26,11 +26,11 @@ step "${T_ONESIDED:-120}" "$out/onesided.log" "${py[@]}" --timeout 45 tests/test
 step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
-# swap knobs, big swap only: KNOBS="ctas_per_sm:unroll:fit:streaming ..." (each run its own
+# swap knobs, big swap only: KNOBS="ctas_per_sm:unroll:fit:streaming:chunk:block ..." (each run its own
 # process); with KNOBS_PICK=1 the best (tp=8 gated ratio) is exported for the steps after
 for k in ${KNOBS:-}; do
-  IFS=: read -r c u f st <<< "$k"
-  IPC_DPSAMPLE_SWAP_CTAS_PER_SM=$c IPC_DPSAMPLE_SWAP_UNROLL=$u IPC_DPSAMPLE_SWAP_FIT=$f IPC_DPSAMPLE_SWAP_STREAMING=${st:-0} step "${T_KNOB:-40}" "$out/knobs.log" python3 scripts/bench_onesided.py --big-only --reps 10 --out "/tmp/knobs/$c-$u-$f-${st:-0}"
+  IFS=: read -r c u f st ch bl <<< "$k"
+  IPC_DPSAMPLE_SWAP_CTAS_PER_SM=$c IPC_DPSAMPLE_SWAP_UNROLL=$u IPC_DPSAMPLE_SWAP_FIT=$f IPC_DPSAMPLE_SWAP_STREAMING=${st:-0} IPC_DPSAMPLE_SWAP_CHUNK=${ch:-32768} IPC_DPSAMPLE_SWAP_BLOCK=${bl:-512} step "${T_KNOB:-40}" "$out/knobs.log" python3 scripts/bench_onesided.py --big-only --reps 10 --out "/tmp/knobs/$c-$u-$f-${st:-0}-${ch:-32768}-${bl:-512}"
 done
 if [ "${KNOBS_PICK:-0}" = 1 ] && [ -d /tmp/knobs ]; then
   best=$(python3 - <<'PY'
@@ -45,9 +45,9 @@ print(best[1] if best else "")
 PY
 )
   if [ -n "$best" ]; then
-    IFS=- read -r c u f st <<< "$best"
-    export IPC_DPSAMPLE_SWAP_CTAS_PER_SM=$c IPC_DPSAMPLE_SWAP_UNROLL=$u IPC_DPSAMPLE_SWAP_FIT=$f IPC_DPSAMPLE_SWAP_STREAMING=$st
-    echo "[knobs] best ctas_per_sm=$c unroll=$u fit=$f streaming=$st, used from here on" | tee -a "$out/knobs.log"
+    IFS=- read -r c u f st ch bl <<< "$best"
+    export IPC_DPSAMPLE_SWAP_CTAS_PER_SM=$c IPC_DPSAMPLE_SWAP_UNROLL=$u IPC_DPSAMPLE_SWAP_FIT=$f IPC_DPSAMPLE_SWAP_STREAMING=$st IPC_DPSAMPLE_SWAP_CHUNK=$ch IPC_DPSAMPLE_SWAP_BLOCK=$bl
+    echo "[knobs] best ctas_per_sm=$c unroll=$u fit=$f streaming=$st chunk=$ch block=$bl, used from here on" | tee -a "$out/knobs.log"
   fi
 fi
 step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out" ${BENCH_ARGS:-}
