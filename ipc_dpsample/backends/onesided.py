@@ -227,9 +227,8 @@ def setup_onesided(
     code, reason = 0, ""
     with cupy.cuda.Device(device):
         try:
-            get_kernel(
-                SOURCE, "dp_swap_push", device, _OPTIONS
-            )  # compile before anything is shared
+            # compile before anything is shared
+            get_kernel(SOURCE, "dp_swap_push", device, _OPTIONS)
             arena = Arena(layout, device)
             handle = arena.ipc_handle()
         except Exception as exc:
