@@ -238,7 +238,8 @@ def torch_fast_info(x: Any, shape: tuple[int, ...], dtype: str, device: int) -> 
         if not isinstance(want, torch.dtype):
             return None
         _TORCH_DTYPES[dtype] = want
-        _TORCH_STRIDED.append(torch.strided)
+        if not _TORCH_STRIDED:
+            _TORCH_STRIDED.append(torch.strided)
     try:  # anything unusual (nested, sparse, meta, subclasses...) takes the full path
         if x.is_nested or x.layout is not _TORCH_STRIDED[0]:
             return None
