@@ -1,20 +1,51 @@
 """The interface every backend implements: one method per collective, each ending
-in a keyword ``stream``.
+in keywords ``bs`` and ``stream``.
 
 The communicator validates every argument before it calls a backend, so backends
-may assume shapes, dtypes, devices and ``pad_bs`` are right. Every method returns
-views of persistent buffers in the caller's array type.
+may assume shapes, dtypes, devices, ``pad_bs`` and ``bs`` are right. Every method
+returns views of persistent buffers in the caller's array type.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from ..arrays import ArrayInfo
 from ..config import BackendName
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "RealRows"]
+
+
+class RealRows(NamedTuple):
+    """Which requests of the padded batch are real: the prefix ``[0, bs)``.
+
+    Attributes
+    ----------
+    bs : int
+        The number of real requests when the caller gave a host int; ``pad_bs``
+        when it gave ``None`` (every row moves) or a device scalar (then ``bs`` is
+        only an upper bound).
+    ptr : int
+        Device address of the caller's int32 scalar holding ``bs``, read when the
+        op runs (CUDA-graph replays see the value written before ``replay()``);
+        0 for a host value.
+    given : bool
+        False when the caller passed ``bs=None``.
+    """
+
+    bs: int
+    ptr: int = 0
+    given: bool = False
+
+    @classmethod
+    def every(cls, pad_bs: int) -> RealRows:
+        """``bs=None``: every request of the padded batch is real."""
+        return cls(pad_bs, 0, False)
+
+    @property
+    def on_device(self) -> bool:
+        return self.ptr != 0
 
 
 class Backend(ABC):
@@ -27,8 +58,11 @@ class Backend(ABC):
         """Make the swap ready for ``logits_dtype`` (canonical name)."""
 
     @abstractmethod
-    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
-        """``x[pad_bs*N, V/tp]`` -> ``[pad_bs/tp*N, V]`` (see :mod:`ipc_dpsample.layout`)."""
+    def swap_batch_vocab(
+        self, x: Any, info: ArrayInfo, *, pad_bs: int, bs: RealRows, stream: Any
+    ) -> Any:
+        """``x[pad_bs*N, V/tp]`` -> ``[pad_bs/tp*N, V]`` (see :mod:`ipc_dpsample.layout`);
+        rows of requests ``>= bs`` are undefined in the output."""
 
     @abstractmethod
     def gather_verify_outputs(
@@ -39,6 +73,7 @@ class Backend(ABC):
         info: ArrayInfo,
         *,
         pad_bs: int,
+        bs: RealRows,
         stream: Any,
     ) -> tuple[Any, Any, Any]:
         """int32 ``[R, N]``, ``[R, N]``, ``[R]`` -> ``[pad_bs, N]``, ``[pad_bs, N]``,
@@ -46,9 +81,24 @@ class Backend(ABC):
 
     @abstractmethod
     def gather_verify_logprobs(
-        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, stream: Any
+        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: RealRows, stream: Any
     ) -> Any:
         """float32 ``[R, N]`` -> ``[pad_bs, N]``."""
+
+    def argmax_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        vocab_limit: int,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, Any]:
+        """``x[pad_bs*N, V/tp]`` -> (token_ids int32 ``[R*N]``, logprobs float32
+        ``[R*N]``) for this rank's requests (see
+        :func:`ipc_dpsample.layout.reference_argmax_batch_vocab`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no argmax_batch_vocab yet")
 
     def check(self) -> None:  # noqa: B027 - optional hook
         """Raise any error an earlier asynchronous op reported."""
