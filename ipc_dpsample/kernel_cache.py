@@ -12,32 +12,44 @@ from pathlib import Path
 from typing import Any
 
 
-def read_source(name: str) -> str:
-    """Text of the kernel source ``name``: from the installed package data
+def kernel_dir() -> Path:
+    """The folder of the kernel sources: the installed package data
     (``ipc_dpsample.kernels``) or, when running from a source tree without an
-    install (``PYTHONPATH=$PWD``), from the top-level ``kernels/`` folder."""
+    install (``PYTHONPATH=$PWD``), the top-level ``kernels/`` folder."""
     try:
-        from .kernels import read_source as installed
+        from .kernels import KERNEL_DIR
     except ImportError:
-        path = Path(__file__).resolve().parent.parent / "kernels" / name
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"kernel source {name!r} not found: ipc_dpsample.kernels is not installed and "
-                f"{path} does not exist"
-            ) from None
-        return path.read_text()
-    return installed(name)
+        return Path(__file__).resolve().parent.parent / "kernels"
+    return KERNEL_DIR
 
 
-__all__ = ["get_kernel", "get_module"]
+def read_source(name: str) -> str:
+    """Text of the kernel source ``name`` (see :func:`kernel_dir`)."""
+    path = kernel_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {name!r} not found in {path.parent}")
+    return path.read_text()
+
+
+__all__ = ["get_kernel", "get_module", "kernel_dir", "read_source"]
 
 _lock = threading.Lock()
-_modules: dict[tuple[str, int, tuple[str, ...]], Any] = {}
+_modules: dict[tuple[str, int, tuple[str, ...], tuple[str, ...]], Any] = {}
 
 
-def get_module(source: str, device: int, options: tuple[str, ...] = ()) -> Any:
-    """The compiled ``cupy.RawModule`` of ``kernels/<source>`` for ``device``."""
-    key = (source, device, options)
+def get_module(
+    source: str,
+    device: int,
+    options: tuple[str, ...] = (),
+    name_expressions: tuple[str, ...] = (),
+) -> Any:
+    """The compiled ``cupy.RawModule`` of ``kernels/<source>`` for ``device``.
+
+    Sources may ``#include`` the headers next to them (``-I`` points there);
+    ``name_expressions`` instantiates templates (``"kernel<float>"``), fetched with
+    ``module.get_function(expression)``.
+    """
+    key = (source, device, options, name_expressions)
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -49,13 +61,21 @@ def get_module(source: str, device: int, options: tuple[str, ...] = ()) -> Any:
             with cupy.cuda.Device(device):
                 mod = cupy.RawModule(
                     code=read_source(source),
-                    options=("--std=c++17", *options),
+                    options=("--std=c++17", f"-I{kernel_dir()}", *options),
+                    name_expressions=name_expressions or None,
                 )
                 mod.compile()
             _modules[key] = mod
     return mod
 
 
-def get_kernel(source: str, name: str, device: int, options: tuple[str, ...] = ()) -> Any:
-    """The ``extern "C"`` kernel ``name`` of ``kernels/<source>`` on ``device``."""
-    return get_module(source, device, options).get_function(name)
+def get_kernel(
+    source: str,
+    name: str,
+    device: int,
+    options: tuple[str, ...] = (),
+    name_expressions: tuple[str, ...] = (),
+) -> Any:
+    """The kernel ``name`` (an ``extern "C"`` name or one of ``name_expressions``) of
+    ``kernels/<source>`` on ``device``."""
+    return get_module(source, device, options, name_expressions).get_function(name)
