@@ -13,8 +13,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .protocol import LOGITS_DTYPES, Dtype
+
 __all__ = [
     "ITEMSIZE",
+    "LOGITS_DTYPES",
     "ArrayInfo",
     "ArrayKind",
     "StreamHandle",
@@ -25,9 +28,9 @@ __all__ = [
     "resolve_stream",
 ]
 
-#: Canonical dtype names this library moves, and their sizes in bytes.
-ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
-LOGITS_DTYPES = ("bfloat16", "float16", "float32")
+#: Canonical dtype names this library moves, and their sizes in bytes (from
+#: :class:`ipc_dpsample.protocol.Dtype`, where the codes are defined once).
+ITEMSIZE: dict[str, int] = {d.canonical: d.itemsize for d in Dtype}
 
 _ALIASES = {
     "bf16": "bfloat16",

@@ -1,103 +1,42 @@
-"""The public communicator: validate, pick a backend once, dispatch."""
+"""The public communicator: validate, build a backend once (one rendezvous), dispatch."""
 
 from __future__ import annotations
 
-import os
+import numbers
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
-from .arrays import ITEMSIZE, ArrayInfo, ArrayKind, describe, normalize_dtype, torch_fast_info
-from .backends.base import Backend
-from .config import (
-    BACKENDS,
-    BackendName,
-    CommConfig,
-    PeerRecord,
-    check_agreement,
-    pack_record,
-    unpack_record,
-)
-from .errors import BackendUnavailableError, DpSampleError
+from . import envs
+from .arrays import ArrayInfo, ArrayKind, describe, normalize_dtype, torch_fast_info
+from .backends.base import Backend, RealRows
+from .config import BackendName, CommConfig, PeerRecord
+from .errors import DpSampleError
 from .group import HostGroup, resolve_group
-from .identity import boot_id, cupy_device_count, gpu_uuid, host_id, nccl_available
+from .identity import check_device_usable, resolve_device
 from .layout import Layout
-from .select import Facts, onesided_blockers, select_backend
+from .protocol import LOGITS_DTYPES
+from .rendezvous import build_backend
 
-__all__ = ["DpSamplingComm"]
+__all__ = ["DpSamplingComm", "DtypeMismatchError"]
 
 ENV_BACKEND = "IPC_DPSAMPLE_BACKEND"
-_SETUP_TIMEOUT_S = 60.0
+ENV_BACKEND_ALIAS = "TOKENSPEED_DP_SAMPLING_BACKEND"
 
 
-def _gpu_sharing_ranks(recs: Sequence[PeerRecord]) -> int:
-    """Ranks whose (host, boot, GPU UUID) a lower rank already has; ranks whose GPU
-    UUID is unknown ("") are not counted (no evidence that they share)."""
-    known = [(r.host_id, r.boot_id, r.gpu_uuid) for r in recs if r.gpu_uuid]
-    return len(known) - len(set(known))
+class DtypeMismatchError(DpSampleError, TypeError):
+    """A swap's logits dtype differs from the one the communicator fixed (a
+    ``RuntimeError`` like every :class:`DpSampleError`, as TokenSpeed raises, and a
+    ``TypeError`` like every other dtype error of this library)."""
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _cuda_device_count() -> int:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.device_count())
-    except Exception:
-        pass
-    return cupy_device_count()
-
-
-def _check_device_usable(device: int) -> None:
-    if device < 0:
-        return
-    count = _cuda_device_count()
-    if device >= count:
-        raise ValueError(
-            f"device=cuda:{device} but this process sees {count} CUDA device(s); use "
-            f"device='cpu' or a CUDA ordinal < {count}"
-            if count
-            else f"device=cuda:{device} but no CUDA device is usable here (torch and CuPy "
-            "see none); use device='cpu'"
-        )
-
-
-def _resolve_device(device: Any) -> int:
-    """CUDA ordinal, or -1 for the CPU."""
-    if device is None:
-        try:
-            import torch
-
-            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-                return int(torch.cuda.current_device())
-        except Exception:
-            pass
-        if cupy_device_count() > 0:
-            import cupy
-
-            return int(cupy.cuda.runtime.getDevice())
-        return -1
-    if isinstance(device, bool):
-        raise TypeError(
-            f"device={device!r}; expected None, 'cpu', 'cuda:k', an int or torch.device"
-        )
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"device={device} must be >= 0 (a CUDA ordinal) or 'cpu'")
-        return device
-    text = str(device)
-    if text == "cpu":
-        return -1
-    if text == "cuda":
-        return _resolve_device(None) if cupy_device_count() > 0 else 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    raise ValueError(f"device={device!r}; expected None, 'cpu', 'cuda:k', an int or torch.device")
+def requested_backend(backend: str) -> str:
+    """``backend`` unless ``IPC_DPSAMPLE_BACKEND`` (or its TokenSpeed alias, which it
+    beats) is set; an invalid value raises ``ValueError`` naming the variable."""
+    for name in (ENV_BACKEND, ENV_BACKEND_ALIAS):
+        value = envs.get(name)
+        if value is not None:
+            return str(value)
+    return backend
 
 
 class DpSamplingComm:
@@ -105,7 +44,7 @@ class DpSamplingComm:
 
     Collective: every rank of the group constructs it with the same arguments
     (except ``rank``), calls the same ops in the same order with the same
-    ``pad_bs``, and closes it.
+    ``pad_bs`` and ``bs``, and closes it.
 
     Parameters
     ----------
@@ -125,14 +64,20 @@ class DpSamplingComm:
         ``V``, the padded communication vocabulary; a multiple of ``tp_size``.
     logits_dtype : dtype or str or None
         ``bfloat16``, ``float16`` or ``float32`` (torch, NumPy or CuPy dtype, or
-        name); None to choose later with :meth:`prepare_verify_outputs` (buffers
-        are then sized for 4-byte elements).
+        name); None: the first :meth:`swap_batch_vocab` (or
+        :meth:`prepare_verify_outputs`) fixes it (buffers are sized for 4-byte
+        elements).
     backend : {"auto", "onesided", "nccl", "torch"}
-        ``IPC_DPSAMPLE_BACKEND`` overrides it.
+        ``IPC_DPSAMPLE_BACKEND`` (or ``TOKENSPEED_DP_SAMPLING_BACKEND``) overrides it.
     device : None, "cpu", "cuda:k", int or torch.device
         None: the current CUDA device if there is one, else the CPU.
     timeout_s : float
-        Longest wait for a peer, on the host and inside kernels.
+        Longest wait for a peer, on the host and inside kernels (set-up waits at
+        least 10 s on the CPU, 30 s on a GPU).
+    fallback_comm_backend : object or None
+        TokenSpeed's ``CommBackend`` shape: ``all_gather_into_tensor(output, input,
+        group)`` and ``all_to_all_single(output, input, group)``. When given, the
+        non-one-sided path moves its data through it.
 
     Raises
     ------
@@ -157,12 +102,12 @@ class DpSamplingComm:
         backend: str = "auto",
         device: Any = None,
         timeout_s: float = 30.0,
+        fallback_comm_backend: Any = None,
     ) -> None:
         self._backend: Backend | None = None
         self._closed = False
+        self._fallback = fallback_comm_backend
         self._group: HostGroup = resolve_group(group)
-        # Validate locally, but always take part in the agreement exchange: a rank
-        # with a bad argument must not leave its peers waiting for it.
         raw = dict(
             tp_size=tp_size,
             rank=rank,
@@ -170,15 +115,15 @@ class DpSamplingComm:
             num_tokens_per_req=num_tokens_per_req,
             vocab_size=vocab_size,
         )
+        # Validate locally, but always take part in the rendezvous: a rank with a bad
+        # argument must not leave its peers waiting for it.
         local_error: Exception | None = None
-        dtype: str | None = None
+        self._device = -1
         try:
-            env = os.environ.get(ENV_BACKEND)
-            if env is not None and env.strip() != "":
-                env = env.strip().lower()
-                if env not in BACKENDS:
-                    raise ValueError(f"{ENV_BACKEND}={env!r}; expected one of {BACKENDS}")
-                backend = env
+            if isinstance(tp_size, int) and not isinstance(tp_size, bool):
+                if self._group.size != tp_size:  # checked first: the clearest message
+                    raise ValueError(f"tp_size={tp_size} != the group's size {self._group.size}")
+            backend = requested_backend(backend)
             dtype = None if logits_dtype is None else normalize_dtype(logits_dtype)
             self.config = CommConfig(
                 logits_dtype=dtype,
@@ -186,129 +131,24 @@ class DpSamplingComm:
                 timeout_s=timeout_s,
                 **raw,
             )
-            self._device = _resolve_device(device)
-            _check_device_usable(self._device)
-            if self._group.size != tp_size:
-                raise ValueError(f"tp_size={tp_size} != group size {self._group.size}")
+            self._device = resolve_device(device)
+            check_device_usable(self._device)
             if self._group.rank != rank:
                 raise ValueError(
                     f"rank={rank} != this process's rank {self._group.rank} in the group"
                 )
         except (ValueError, TypeError) as exc:
             local_error = exc
-        self._exchange_records(raw, dtype, backend, local_error)
-        assert local_error is None  # raised by _exchange_records
+            self.config = None  # type: ignore[assignment]
+        built = build_backend(
+            self.config, self._group, self._device, raw, local_error, self._make_backend
+        )
+        self._records: list[PeerRecord] = built.records
+        self._backend_name, self._reason, self._backend = built.name, built.reason, built.backend
+        self._logits_dtype = self.config.logits_dtype
         self.layout = Layout(tp_size, max_pad_bs, num_tokens_per_req, vocab_size)
-        self._logits_dtype = dtype
-        self._backend_name, self._reason, self._backend = self._choose_backend()
 
-    # -- construction -------------------------------------------------------------
-    def _exchange_records(
-        self,
-        raw: dict[str, Any],
-        dtype: str | None,
-        backend: str,
-        local_error: Exception | None,
-    ) -> None:
-        """All-gather every rank's config and identity; raise on every rank if any
-        rank's arguments were invalid or differ from the others'."""
-
-        def as_int(v: Any) -> int:
-            ok = isinstance(v, int) and not isinstance(v, bool) and -(2**31) <= v < 2**31
-            return int(v) if ok else -1
-
-        valid = local_error is None
-        device = self._device if valid else -1
-        mine = PeerRecord(
-            tp_size=as_int(raw["tp_size"]),
-            rank=as_int(raw["rank"]),
-            max_pad_bs=as_int(raw["max_pad_bs"]),
-            num_tokens_per_req=as_int(raw["num_tokens_per_req"]),
-            vocab_size=as_int(raw["vocab_size"]),
-            logits_dtype=dtype if dtype in ("bfloat16", "float16", "float32") else None,
-            backend=backend if backend in BACKENDS else "auto",
-            device_kind="cpu" if device < 0 else "cuda",
-            version=__version__,
-            pid=os.getpid(),
-            host_id=host_id(),
-            boot_id=boot_id(),
-            gpu_uuid=gpu_uuid(device),
-            error="" if valid else f"{type(local_error).__name__}: {local_error}",
-        )
-        gathered = self._group.all_gather_bytes(
-            pack_record(mine), timeout_s=_SETUP_TIMEOUT_S, what="config agreement"
-        )
-        if local_error is not None:
-            raise local_error
-        records = [unpack_record(r) for r in gathered]
-        check_agreement(records, self.config.rank)
-        self._records = records
-
-    def _facts(self, ipc_verified: bool | None = None, ipc_detail: str = "") -> Facts:
-        recs = self._records
-        cuda = self._device >= 0
-        return Facts(
-            requested=self.config.backend,
-            device_kind="cuda" if cuda else "cpu",
-            tp_size=self.config.tp_size,
-            hosts=len({r.host_id for r in recs}),
-            boots=len({(r.host_id, r.boot_id) for r in recs}),
-            cupy_gpu=cuda and self._gather_flag(cupy_device_count() > 0, "cupy probe"),
-            nccl_available=cuda and self._gather_flag(nccl_available(), "nccl probe"),
-            p2p_ok=self._p2p_fact() if cuda else None,
-            nccl_p2p_disable=self._gather_flag(
-                _env_true("NCCL_P2P_DISABLE"), "env probe", any_=True
-            ),
-            has_torch_group=hasattr(self._group, "process_group"),
-            ipc_verified=ipc_verified,
-            ipc_detail=ipc_detail,
-            gpu_sharing_ranks=_gpu_sharing_ranks(recs) if cuda else 0,
-        )
-
-    def _gather_flag(self, value: bool, what: str, any_: bool = False) -> bool:
-        flags = self._group.all_gather_bytes(
-            b"\1" if value else b"\0", timeout_s=_SETUP_TIMEOUT_S, what=what
-        )
-        bits = [f == b"\1" for f in flags]
-        return any(bits) if any_ else all(bits)
-
-    def _p2p_fact(self) -> bool | None:
-        from .ipc import p2p_matrix_ok
-
-        return p2p_matrix_ok(self._device, [r.gpu_uuid for r in self._records])
-
-    def _choose_backend(self) -> tuple[BackendName, str, Backend]:
-        facts = self._facts()
-        if (
-            self._device >= 0
-            and facts.requested in ("auto", "onesided")
-            and not onesided_blockers(facts)
-        ):
-            from .backends.onesided import setup_onesided
-
-            backend, detail = setup_onesided(self.config, self._group, self._device, self._records)
-            facts = self._facts(ipc_verified=backend is not None, ipc_detail=detail)
-            if backend is not None:
-                name, reason = select_backend(facts)
-                return name, reason, backend
-            if facts.requested == "auto":
-                warnings.warn(
-                    f"ipc_dpsample: one-sided backend unavailable, falling back: {detail}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        name, reason = select_backend(facts)
-        try:
-            backend = self._make_backend(name)
-        except BackendUnavailableError as exc:
-            if facts.requested != "auto":
-                raise
-            raise BackendUnavailableError(
-                f"backend='auto' chose {name} ({reason}), but it cannot run: {exc}"
-            ) from exc
-        return name, reason, backend
-
-    def _make_backend(self, name: BackendName) -> Backend:
+    def _make_backend(self, name: BackendName, records: list[PeerRecord]) -> Backend:
         if name == "torch":
             import torch
 
@@ -325,7 +165,11 @@ class DpSamplingComm:
     # -- properties ---------------------------------------------------------------
     @property
     def backend(self) -> BackendName:
-        """``"onesided"``, ``"nccl"`` or ``"torch"``."""
+        """What moves the data: ``"onesided"`` or ``"nccl"`` for CUDA data (the
+        torch.distributed path over NCCL counts as ``"nccl"``, as in TokenSpeed),
+        ``"torch"`` for CPU data; :meth:`explain` names the exact path."""
+        if self._backend_name == "torch" and self._device >= 0:
+            return "nccl"
         return self._backend_name
 
     @property
@@ -339,6 +183,12 @@ class DpSamplingComm:
 
     @property
     def is_initialized(self) -> bool:
+        """TokenSpeed's meaning: True once the one-sided (fast-path) state exists
+        (engines guard re-configuration on it). See :attr:`is_open`."""
+        return self.fast_path_enabled and self.is_open
+
+    @property
+    def is_open(self) -> bool:
         """True between construction and :meth:`close`."""
         return self._backend is not None and not self._closed
 
@@ -349,6 +199,7 @@ class DpSamplingComm:
 
     @property
     def logits_dtype(self) -> str | None:
+        """The swap's dtype, once fixed (constructor, prepare or first swap)."""
         return self._logits_dtype
 
     def explain(self) -> str:
@@ -357,47 +208,52 @@ class DpSamplingComm:
 
     # -- ops ----------------------------------------------------------------------
     def prepare_verify_outputs(self, logits_dtype: Any) -> None:
-        """Set (or change) the logits dtype of :meth:`swap_batch_vocab`.
+        """Fix the logits dtype if nothing fixed it yet (the first dtype wins: a later
+        call, or one after a swap, is a no-op). The fast path is set up at
+        construction, so a gather-only communicator needs no swap.
 
         Parameters
         ----------
         logits_dtype : dtype or str
-            ``bfloat16``, ``float16`` or ``float32``. Every rank must use the same
-            dtype (the one-sided backend checks this on every swap).
+            ``bfloat16``, ``float16`` or ``float32``.
 
         Raises
         ------
         TypeError
             Unsupported dtype.
-        ValueError
-            The dtype needs larger buffers than were allocated at construction.
         """
         self._check_open()
         name = normalize_dtype(logits_dtype)
-        if name not in ("bfloat16", "float16", "float32"):
-            raise TypeError(f"logits_dtype={name!r}; expected bfloat16, float16 or float32")
-        fixed = self.config.logits_dtype
-        if fixed is not None and ITEMSIZE[name] > ITEMSIZE[fixed]:
-            raise ValueError(
-                f"logits_dtype={name} needs {ITEMSIZE[name]}-byte elements but the "
-                f"communicator was built for {fixed} ({ITEMSIZE[fixed]} bytes); construct it "
-                "with logits_dtype=None or float32"
-            )
+        if name not in LOGITS_DTYPES:
+            raise TypeError(f"logits_dtype={name!r}; expected one of {LOGITS_DTYPES}")
+        if self._logits_dtype is None:
+            self._fix_dtype(name)
+
+    def _fix_dtype(self, name: str) -> None:
         assert self._backend is not None
         self._backend.prepare(name)
         self._logits_dtype = name
 
-    def swap_batch_vocab(self, local_logits: Any, *, pad_bs: int, stream: Any = None) -> Any:
+    def swap_batch_vocab(
+        self, local_logits: Any, *, pad_bs: int, bs: Any = None, stream: Any = None
+    ) -> Any:
         """All-to-all from vocabulary shards to request shards.
 
         Parameters
         ----------
         local_logits : array ``[pad_bs * N, V / tp]``, ``logits_dtype``, C-contiguous
             This rank's vocabulary shard of the whole padded batch, on this
-            communicator's device.
+            communicator's device. With ``logits_dtype=None`` its dtype fixes it.
         pad_bs : int
             Padded batch size of this step, ``0 < pad_bs <= max_pad_bs``, a multiple
             of ``tp``; the same on every rank.
+        bs : None, int, or int32 scalar / 1-element array on this device
+            The real requests, the prefix ``[0, bs)`` of the padded batch,
+            ``0 <= bs <= pad_bs``; None: every request. Rows of the others are not
+            moved (the one-sided backend neither reads nor writes them). A device
+            scalar is read when the op runs (values outside ``[0, pad_bs]`` are
+            clamped), so one captured CUDA graph serves every ``bs`` of its bucket;
+            a host int captured into a graph is fixed in it.
         stream : None, torch/CuPy stream, ``__cuda_stream__`` object or int
             None: the current stream of the input's framework.
 
@@ -406,22 +262,70 @@ class DpSamplingComm:
         array ``[pad_bs / tp * N, V]``, ``logits_dtype``, same array type as the input
             Row ``local_req * N + d`` is global request ``rank * pad_bs/tp + local_req``
             at draft position ``d``; columns ``[s*V/tp, (s+1)*V/tp)`` came from rank
-            ``s``. A view of a persistent buffer, valid until the next op on this
-            communicator is issued.
+            ``s``. Rows of requests ``>= bs`` are undefined. A view of a persistent
+            buffer, valid until the next op on this communicator is issued.
         """
         self._check_open()
         cfg = self.config
-        cfg.validate_pad_bs(pad_bs)
-        dtype = self._logits_dtype
-        if dtype is None:
-            raise DpSampleError(
-                "logits dtype unknown: pass logits_dtype= to the constructor or call "
-                "prepare_verify_outputs(dtype) first"
-            )
+        pad_bs = cfg.validate_pad_bs(pad_bs)
         expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
-        info = self._arg(local_logits, "local_logits", expected, dtype)
+        info = self._logits_arg(local_logits, expected)
+        rows = self._bs(bs, pad_bs)
         assert self._backend is not None
-        return self._backend.swap_batch_vocab(local_logits, info, pad_bs=pad_bs, stream=stream)
+        return self._backend.swap_batch_vocab(
+            local_logits, info, pad_bs=pad_bs, bs=rows, stream=stream
+        )
+
+    def argmax_batch_vocab(
+        self,
+        local_logits: Any,
+        *,
+        pad_bs: int,
+        vocab_limit: int | None = None,
+        bs: Any = None,
+        stream: Any = None,
+    ) -> tuple[Any, Any]:
+        """Greedy verify without moving logits: the arg-max token of every full row.
+
+        Parameters
+        ----------
+        local_logits : array ``[pad_bs * N, V / tp]``, ``logits_dtype``, C-contiguous
+            The input :meth:`swap_batch_vocab` takes.
+        pad_bs : int
+        vocab_limit : int or None
+            The model's real vocabulary ``<= V``: columns ``>= vocab_limit`` (the
+            padded tail) never win and do not count in the softmax (None: ``V``).
+        bs : see :meth:`swap_batch_vocab`
+        stream : see :meth:`swap_batch_vocab`
+
+        Returns
+        -------
+        (token_ids int32 ``[R * N]``, logprobs float32 ``[R * N]``), ``R = pad_bs / tp``
+            For this rank's requests, in :meth:`swap_batch_vocab`'s row order: the
+            first index of the row's maximum (a NaN wins, first NaN first; an all
+            ``-inf`` row gives 0: ``torch.argmax`` semantics), and the token's
+            log-softmax value computed in float32 (NaN when the row holds a NaN,
+            ``+inf`` or only ``-inf``). Rows of requests ``>= bs`` are undefined.
+            Views of persistent buffers in the input's array type.
+        """
+        self._check_open()
+        cfg = self.config
+        pad_bs = cfg.validate_pad_bs(pad_bs)
+        expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
+        info = self._logits_arg(local_logits, expected)
+        limit = cfg.vocab_size if vocab_limit is None else vocab_limit
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+            raise TypeError(f"vocab_limit must be an int or None, got {vocab_limit!r}")
+        if not 1 <= limit <= cfg.vocab_size:
+            raise ValueError(
+                f"vocab_limit={limit} out of range: expected 1 <= vocab_limit <= "
+                f"vocab_size={cfg.vocab_size}"
+            )
+        rows = self._bs(bs, pad_bs)
+        assert self._backend is not None
+        return self._backend.argmax_batch_vocab(
+            local_logits, info, pad_bs=pad_bs, vocab_limit=int(limit), bs=rows, stream=stream
+        )
 
     def gather_verify_outputs(
         self,
@@ -430,6 +334,7 @@ class DpSamplingComm:
         accept_length_local: Any,
         *,
         pad_bs: int,
+        bs: Any = None,
         stream: Any = None,
     ) -> tuple[Any, Any, Any]:
         """All-gather the verify results of every rank's requests.
@@ -440,21 +345,23 @@ class DpSamplingComm:
         accept_length_local : int32 array ``[pad_bs / tp]``
             All of one array type, C-contiguous, on this communicator's device.
         pad_bs : int
+        bs : see :meth:`swap_batch_vocab`
         stream : see :meth:`swap_batch_vocab`
 
         Returns
         -------
         (predict ``[pad_bs, N]``, accept_index ``[pad_bs, N]``, accept_length ``[pad_bs]``)
-            int32; row ``src * pad_bs/tp + i`` is row ``i`` of rank ``src``. Views of
-            persistent buffers (the same storage on every call).
+            int32; row ``src * pad_bs/tp + i`` is row ``i`` of rank ``src``; rows
+            ``>= bs`` are undefined. Views of persistent buffers.
         """
         self._check_open()
         cfg = self.config
-        cfg.validate_pad_bs(pad_bs)
+        pad_bs = cfg.validate_pad_bs(pad_bs)
         r, n = pad_bs // cfg.tp_size, cfg.num_tokens_per_req
         info = self._arg(predict_local, "predict_local", (r, n), "int32")
         self._arg(accept_index_local, "accept_index_local", (r, n), "int32", info.kind)
         self._arg(accept_length_local, "accept_length_local", (r,), "int32", info.kind)
+        rows = self._bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.gather_verify_outputs(
             predict_local,
@@ -462,38 +369,42 @@ class DpSamplingComm:
             accept_length_local,
             info,
             pad_bs=pad_bs,
+            bs=rows,
             stream=stream,
         )
 
     def gather_verify_logprobs(
-        self, logprobs_local: Any, *, pad_bs: int, stream: Any = None
+        self, logprobs_local: Any, *, pad_bs: int, bs: Any = None, stream: Any = None
     ) -> Any:
         """All-gather per-request log-probabilities.
 
         Parameters
         ----------
-        logprobs_local : float32 array ``[pad_bs / tp, N]``, C-contiguous
+        logprobs_local : float32 array ``[pad_bs / tp, N]``
+            A non-contiguous array is made contiguous first (a copy, as TokenSpeed).
         pad_bs : int
+        bs : see :meth:`swap_batch_vocab`
         stream : see :meth:`swap_batch_vocab`
 
         Returns
         -------
         float32 array ``[pad_bs, N]``
-            Row ``src * pad_bs/tp + i`` is row ``i`` of rank ``src``; a view of a
-            persistent buffer.
+            Row ``src * pad_bs/tp + i`` is row ``i`` of rank ``src``; rows ``>= bs``
+            are undefined; a view of a persistent buffer.
         """
         self._check_open()
         cfg = self.config
-        cfg.validate_pad_bs(pad_bs)
-        info = self._arg(
-            logprobs_local,
-            "logprobs_local",
-            (pad_bs // cfg.tp_size, cfg.num_tokens_per_req),
-            "float32",
-        )
+        pad_bs = cfg.validate_pad_bs(pad_bs)
+        shape = (pad_bs // cfg.tp_size, cfg.num_tokens_per_req)
+        if torch_fast_info(logprobs_local, shape, "float32", self._device) is None:
+            info = describe(logprobs_local, "logprobs_local")
+            if not info.contiguous and info.dtype == "float32" and info.shape == shape:
+                logprobs_local = _contiguous(logprobs_local, info.kind)
+        info = self._arg(logprobs_local, "logprobs_local", shape, "float32")
+        rows = self._bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.gather_verify_logprobs(
-            logprobs_local, info, pad_bs=pad_bs, stream=stream
+            logprobs_local, info, pad_bs=pad_bs, bs=rows, stream=stream
         )
 
     def check(self) -> None:
@@ -529,7 +440,7 @@ class DpSamplingComm:
 
     def __repr__(self) -> str:
         c = self.config
-        state = "open" if self.is_initialized else "closed"
+        state = "open" if self.is_open else "closed"
         return (
             f"DpSamplingComm(rank={c.rank}/{c.tp_size}, "
             f"backend={getattr(self, '_backend_name', '?')}, device={self.device}, "
@@ -541,6 +452,58 @@ class DpSamplingComm:
     def _check_open(self) -> None:
         if self._closed or self._backend is None:
             raise DpSampleError("this DpSamplingComm is closed; create a new one")
+
+    def _logits_arg(self, x: Any, shape: tuple[int, int]) -> ArrayInfo:
+        """``local_logits`` checked; with the dtype not fixed yet, its dtype fixes it."""
+        dtype = self._logits_dtype
+        if dtype is None:
+            info = describe(x, "local_logits")
+            if info.dtype not in LOGITS_DTYPES:
+                raise TypeError(f"local_logits dtype {info.dtype}; expected one of {LOGITS_DTYPES}")
+            self._check_array("local_logits", info, shape, info.dtype)
+            self._fix_dtype(info.dtype)
+            return info
+        info = torch_fast_info(x, shape, dtype, self._device)
+        if info is None:
+            info = describe(x, "local_logits")
+            if info.dtype in LOGITS_DTYPES and info.dtype != dtype:
+                raise DtypeMismatchError(
+                    f"local_logits dtype {info.dtype} != this communicator's logits dtype "
+                    f"{dtype} (fixed by the constructor, prepare_verify_outputs or the first "
+                    "swap); build another communicator for another dtype"
+                )
+            self._check_array("local_logits", info, shape, dtype)
+        return info
+
+    def _bs(self, bs: Any, pad_bs: int) -> RealRows:
+        """The ``bs`` argument as :class:`RealRows` (see :meth:`swap_batch_vocab`)."""
+        if bs is None:
+            return RealRows(pad_bs, 0, False)
+        if isinstance(bs, bool):
+            raise TypeError(f"bs={bs!r}; expected None, an int or an int32 device scalar")
+        if isinstance(bs, numbers.Integral):
+            value = int(bs)
+        else:
+            try:
+                info = describe(bs, "bs")
+            except TypeError:
+                raise TypeError(
+                    f"bs={bs!r}; expected None, an int in [0, pad_bs={pad_bs}] or an int32 "
+                    f"scalar / 1-element array on {self.device}"
+                ) from None
+            if info.dtype != "int32":
+                raise TypeError(f"bs dtype {info.dtype} != expected int32")
+            if info.shape not in ((), (1,)):
+                raise ValueError(f"bs shape {info.shape} != expected () or (1,)")
+            if info.device != self._device:
+                where = "cpu" if info.device < 0 else f"cuda:{info.device}"
+                raise ValueError(f"bs is on {where}; expected {self.device}")
+            if info.device >= 0:
+                return RealRows(pad_bs, info.ptr, True)
+            value = int(bs.reshape(-1)[0])  # host memory: read it now
+        if not 0 <= value <= pad_bs:
+            raise ValueError(f"bs={value} out of range: expected 0 <= bs <= pad_bs={pad_bs}")
+        return RealRows(value, 0, True)
 
     def _arg(
         self,
@@ -577,9 +540,26 @@ class DpSamplingComm:
             raise TypeError(f"{name} is on {where}; expected {self.device}")
         if info.shape != shape:
             c = self.config
+            if name == "local_logits":
+                dims = f"rows pad_bs*N with N={c.num_tokens_per_req}, V/tp={shape[1]} columns"
+            else:
+                dims = f"R=pad_bs/tp={shape[0]} rows, N={c.num_tokens_per_req}"
             raise ValueError(
-                f"{name} shape {info.shape} != expected {shape} (tp={c.tp_size}, "
-                f"N={c.num_tokens_per_req}, V/tp={c.vocab_size // c.tp_size})"
+                f"{name} shape {info.shape} != expected {shape} (tp={c.tp_size}, {dims})"
             )
         if not info.contiguous:
             raise ValueError(f"{name} must be C-contiguous (call .contiguous() first)")
+
+
+def _contiguous(x: Any, kind: ArrayKind) -> Any:
+    if kind is ArrayKind.TORCH:
+        return x.contiguous()
+    if kind is ArrayKind.CUPY:
+        import cupy
+
+        return cupy.ascontiguousarray(x)
+    if kind is ArrayKind.NUMPY:
+        import numpy as np
+
+        return np.ascontiguousarray(x)
+    return x  # numba: the contiguity check below names the problem

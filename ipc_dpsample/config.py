@@ -10,13 +10,13 @@ field differs.
 from __future__ import annotations
 
 import hashlib
-import struct
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from .arrays import LOGITS_DTYPES
 from .errors import ConfigMismatchError, DpSampleError
+from .protocol import LOGITS_DTYPES, FixedRecord
 
 __all__ = [
     "BACKENDS",
@@ -25,6 +25,7 @@ __all__ = [
     "CommConfig",
     "PeerRecord",
     "check_agreement",
+    "gpu_digest",
     "pack_record",
     "unpack_record",
 ]
@@ -34,13 +35,6 @@ RequestedBackend = Literal["auto", "onesided", "nccl", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "onesided", "nccl", "torch")
 _DTYPE_CODES = {None: 0, "bfloat16": 1, "float16": 2, "float32": 3}
 _DTYPE_NAMES = {v: k for k, v in _DTYPE_CODES.items()}
-
-RECORD_MAGIC = b"IPCDPCF1"
-RECORD_VERSION = 2
-# magic, version, tp, rank, max_pad_bs, N, V, dtype, backend, device kind,
-# package version, pid, host id, boot id, GPU UUID, error ("" when the arguments were valid)
-_FMT = "<8sHiiiiqBBB32sq64s40s40s160s"
-RECORD_SIZE = struct.calcsize(_FMT)
 
 
 @dataclass(frozen=True)
@@ -103,22 +97,31 @@ class CommConfig:
                 " must be < 2**31"
             )
 
-    def validate_pad_bs(self, pad_bs: int) -> None:
-        """Raise ``ValueError`` unless ``0 < pad_bs <= max_pad_bs`` and
+    def validate_pad_bs(self, pad_bs: Any) -> int:
+        """``pad_bs`` as an int; raise unless it is an integer (any
+        ``numbers.Integral``) with ``0 < pad_bs <= max_pad_bs`` and
         ``pad_bs % tp_size == 0``."""
-        if isinstance(pad_bs, bool) or not isinstance(pad_bs, int):
+        if isinstance(pad_bs, bool) or not isinstance(pad_bs, numbers.Integral):
             raise TypeError(f"pad_bs must be an int, got {type(pad_bs).__name__} {pad_bs!r}")
+        pad_bs = int(pad_bs)
         if pad_bs <= 0 or pad_bs > self.max_pad_bs:
             raise ValueError(
                 f"pad_bs={pad_bs} out of range: expected 0 < pad_bs <= max_pad_bs={self.max_pad_bs}"
             )
         if pad_bs % self.tp_size:
             raise ValueError(f"pad_bs={pad_bs} is not a multiple of tp_size={self.tp_size}")
+        return pad_bs
 
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """One rank's configuration and identity as the group saw it."""
+    """One rank's configuration, identity and local facts as the group saw it.
+
+    ``cupy_gpu``, ``nccl``, ``nccl_p2p_disable`` and the GPU digests feed
+    :func:`ipc_dpsample.select.combine`; ``visible``/``reach`` hold 8-byte digests
+    (:func:`gpu_digest`) of the GPUs this rank sees and of those it can access
+    peer-to-peer (its own included).
+    """
 
     tp_size: int
     rank: int
@@ -134,38 +137,75 @@ class PeerRecord:
     boot_id: str
     gpu_uuid: str
     error: str = ""
+    graph_swap: str = "barrier"
+    cupy_gpu: bool = False
+    nccl: bool = False
+    nccl_p2p_disable: bool = False
+    visible: tuple[bytes, ...] = ()
+    reach: tuple[bytes, ...] = ()
 
 
-def _enc(s: str, n: int) -> bytes:
-    raw = s.encode()
-    if len(raw) > n:
-        # keep a readable prefix and a digest of the whole value, so two long values
-        # that differ only at the end still differ
-        digest = hashlib.sha256(raw).hexdigest().encode()
-        raw = raw[: n - 17] + b"#" + digest[:16]
-    return raw
+MAX_GPUS = 16
+_RECORD = FixedRecord(
+    b"IPCDPCF1",
+    3,
+    [
+        ("tp_size", "i"),
+        ("rank", "i"),
+        ("max_pad_bs", "i"),
+        ("num_tokens_per_req", "i"),
+        ("vocab_size", "q"),
+        ("dtype", "B"),
+        ("backend", "B"),
+        ("device_kind", "B"),
+        ("graph_swap", "B"),
+        ("flags", "B"),  # cupy_gpu | nccl << 1 | nccl_p2p_disable << 2
+        ("n_visible", "B"),
+        ("n_reach", "B"),
+        ("version", "32s"),
+        ("pid", "q"),
+        ("host_id", "64s"),
+        ("boot_id", "40s"),
+        ("gpu_uuid", "40s"),
+        ("visible", f"{8 * MAX_GPUS}s"),
+        ("reach", f"{8 * MAX_GPUS}s"),
+        ("error", "160s"),
+    ],
+)
+RECORD_SIZE = _RECORD.size
+_GRAPH_SWAPS = ("barrier", "copy")
+
+
+def gpu_digest(uuid: str) -> bytes:
+    """8-byte digest of a GPU UUID (how records name GPUs compactly)."""
+    return hashlib.sha256(uuid.encode()).digest()[:8]
 
 
 def pack_record(rec: PeerRecord) -> bytes:
     """The fixed-size binary form of ``rec`` (:data:`RECORD_SIZE` bytes)."""
-    return struct.pack(
-        _FMT,
-        RECORD_MAGIC,
-        RECORD_VERSION,
-        rec.tp_size,
-        rec.rank,
-        rec.max_pad_bs,
-        rec.num_tokens_per_req,
-        rec.vocab_size,
-        _DTYPE_CODES[rec.logits_dtype],
-        BACKENDS.index(rec.backend),
-        0 if rec.device_kind == "cpu" else 1,
-        _enc(rec.version, 32),
-        rec.pid,
-        _enc(rec.host_id, 64),
-        _enc(rec.boot_id, 40),
-        _enc(rec.gpu_uuid, 40),
-        _enc(rec.error, 160),
+    visible, reach = rec.visible[:MAX_GPUS], rec.reach[:MAX_GPUS]
+    text = FixedRecord.text
+    return _RECORD.pack(
+        tp_size=rec.tp_size,
+        rank=rec.rank,
+        max_pad_bs=rec.max_pad_bs,
+        num_tokens_per_req=rec.num_tokens_per_req,
+        vocab_size=rec.vocab_size,
+        dtype=_DTYPE_CODES[rec.logits_dtype],
+        backend=BACKENDS.index(rec.backend),
+        device_kind=0 if rec.device_kind == "cpu" else 1,
+        graph_swap=_GRAPH_SWAPS.index(rec.graph_swap),
+        flags=int(rec.cupy_gpu) | int(rec.nccl) << 1 | int(rec.nccl_p2p_disable) << 2,
+        n_visible=len(visible),
+        n_reach=len(reach),
+        version=text(rec.version, 32),
+        pid=rec.pid,
+        host_id=text(rec.host_id, 64),
+        boot_id=text(rec.boot_id, 40),
+        gpu_uuid=text(rec.gpu_uuid, 40),
+        visible=b"".join(visible),
+        reach=b"".join(reach),
+        error=text(rec.error, 160),
     )
 
 
@@ -178,19 +218,23 @@ def unpack_record(raw: bytes) -> PeerRecord:
         Wrong size, magic, version or an out-of-range code: the peer runs another
         library version or the record was corrupted.
     """
-    if len(raw) != RECORD_SIZE:
-        raise DpSampleError(f"config record of {len(raw)} bytes, expected {RECORD_SIZE}")
-    f = struct.unpack(_FMT, raw)
-    if f[0] != RECORD_MAGIC or f[1] != RECORD_VERSION:
+    f = _RECORD.unpack(raw, "config record")
+    if (
+        f["dtype"] not in _DTYPE_NAMES
+        or f["backend"] >= len(BACKENDS)
+        or f["device_kind"] > 1
+        or f["graph_swap"] >= len(_GRAPH_SWAPS)
+        or f["n_visible"] > MAX_GPUS
+        or f["n_reach"] > MAX_GPUS
+    ):
         raise DpSampleError(
-            f"config record magic/version {f[0]!r}/{f[1]} != expected "
-            f"{RECORD_MAGIC!r}/{RECORD_VERSION}: peers run different ipc_dpsample versions"
+            f"config record has invalid codes dtype={f['dtype']} backend={f['backend']} "
+            f"device_kind={f['device_kind']} graph_swap={f['graph_swap']}"
         )
-    if f[7] not in _DTYPE_NAMES or f[8] >= len(BACKENDS) or f[9] > 1:
-        raise DpSampleError(f"config record has invalid codes dtype={f[7]} backend={f[8]}")
-
-    tp, rank, max_pad_bs, n, vocab, pid = f[2], f[3], f[4], f[5], f[6], f[11]
-    error = f[15].rstrip(b"\0").decode(errors="replace")
+    tp, rank, max_pad_bs, n, vocab, pid = (
+        f[k] for k in ("tp_size", "rank", "max_pad_bs", "num_tokens_per_req", "vocab_size", "pid")
+    )
+    error = FixedRecord.untext(f["error"])
     problems = []
     if tp < 1:
         problems.append(f"tp_size={tp} < 1")
@@ -207,24 +251,31 @@ def unpack_record(raw: bytes) -> PeerRecord:
     if problems and not error:
         raise DpSampleError("invalid config record from a peer: " + "; ".join(problems))
 
-    def dec(b: bytes) -> str:
-        return b.rstrip(b"\0").decode(errors="replace")
+    def digests(blob: bytes, count: int) -> tuple[bytes, ...]:
+        return tuple(blob[8 * i : 8 * i + 8] for i in range(count))
 
+    untext = FixedRecord.untext
     return PeerRecord(
-        tp_size=f[2],
-        rank=f[3],
-        max_pad_bs=f[4],
-        num_tokens_per_req=f[5],
-        vocab_size=f[6],
-        logits_dtype=_DTYPE_NAMES[f[7]],
-        backend=BACKENDS[f[8]],
-        device_kind="cpu" if f[9] == 0 else "cuda",
-        version=dec(f[10]),
-        pid=f[11],
-        host_id=dec(f[12]),
-        boot_id=dec(f[13]),
-        gpu_uuid=dec(f[14]),
+        tp_size=tp,
+        rank=rank,
+        max_pad_bs=max_pad_bs,
+        num_tokens_per_req=n,
+        vocab_size=vocab,
+        logits_dtype=_DTYPE_NAMES[f["dtype"]],
+        backend=BACKENDS[f["backend"]],
+        device_kind="cpu" if f["device_kind"] == 0 else "cuda",
+        version=untext(f["version"]),
+        pid=pid,
+        host_id=untext(f["host_id"]),
+        boot_id=untext(f["boot_id"]),
+        gpu_uuid=untext(f["gpu_uuid"]),
         error=error,
+        graph_swap=_GRAPH_SWAPS[f["graph_swap"]],
+        cupy_gpu=bool(f["flags"] & 1),
+        nccl=bool(f["flags"] & 2),
+        nccl_p2p_disable=bool(f["flags"] & 4),
+        visible=digests(f["visible"], f["n_visible"]),
+        reach=digests(f["reach"], f["n_reach"]),
     )
 
 
@@ -238,6 +289,7 @@ AGREED_FIELDS = (
     "backend",
     "device_kind",
     "version",
+    "graph_swap",
 )
 
 

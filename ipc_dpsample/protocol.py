@@ -197,8 +197,14 @@ class FixedRecord:
         self.magic = magic
         self.version = version
         self.names = tuple(name for name, _ in fields)
-        self._struct = struct.Struct("<8sH" + "".join(code for _, code in fields))
+        self._codes = tuple(code for _, code in fields)
+        self._struct = struct.Struct("<8sH" + "".join(self._codes))
         self.size = self._struct.size
+
+    def offset_of(self, name: str) -> int:
+        """Byte offset of field ``name`` in the record."""
+        i = self.names.index(name)
+        return struct.calcsize("<8sH" + "".join(self._codes[:i]))
 
     def pack(self, **values: Any) -> bytes:
         """The record of ``values`` (one per field; ``str`` values are UTF-8)."""

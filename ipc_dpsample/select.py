@@ -8,12 +8,13 @@ combination is tested on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import BackendName, RequestedBackend
+from .config import BackendName, PeerRecord, RequestedBackend, gpu_digest
 from .errors import BackendUnavailableError
 
-__all__ = ["Facts", "onesided_blockers", "select_backend"]
+__all__ = ["Facts", "combine", "onesided_blockers", "select_backend"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,61 @@ class Facts:
     ipc_verified: bool | None = None
     ipc_detail: str = ""
     gpu_sharing_ranks: int = 0
+
+
+def _p2p(records: Sequence[PeerRecord]) -> tuple[bool | None, str]:
+    """Every pair of ranks' GPUs P2P-capable (or the same GPU)? False names the first
+    pair a rank sees but cannot reach; None when some rank cannot see a peer's GPU."""
+    unknown = ""
+    for i, a in enumerate(records):
+        for j, b in enumerate(records):
+            if i == j or not b.gpu_uuid or b.gpu_uuid == a.gpu_uuid or a.host_id != b.host_id:
+                continue
+            d = gpu_digest(b.gpu_uuid)
+            if d in a.reach:
+                continue
+            if d in a.visible:
+                return False, f"rank {i}'s GPU {a.gpu_uuid} cannot access rank {j}'s {b.gpu_uuid}"
+            unknown = unknown or f"rank {i} cannot see rank {j}'s GPU {b.gpu_uuid}"
+    return (None, unknown) if unknown else (True, "")
+
+
+def _gpu_sharing_ranks(records: Sequence[PeerRecord]) -> int:
+    """Ranks whose (host, boot, GPU UUID) a lower rank already has; ranks whose GPU
+    UUID is unknown ("") are not counted (no evidence that they share)."""
+    known = [(r.host_id, r.boot_id, r.gpu_uuid) for r in records if r.gpu_uuid]
+    return len(known) - len(set(known))
+
+
+def combine(
+    records: Sequence[PeerRecord],
+    *,
+    requested: RequestedBackend,
+    device_kind: str,
+    has_torch_group: bool,
+    ipc_verified: bool | None = None,
+    ipc_detail: str = "",
+) -> Facts:
+    """The group's :class:`Facts` from every rank's record (pure: every rank computes
+    the same facts from the same records; the doctor uses it too)."""
+    cuda = device_kind == "cuda"
+    p2p_ok, p2p_detail = _p2p(records) if cuda else (None, "")
+    return Facts(
+        requested=requested,
+        device_kind=device_kind,
+        tp_size=len(records),
+        hosts=len({r.host_id for r in records}),
+        boots=len({(r.host_id, r.boot_id) for r in records}),
+        cupy_gpu=cuda and all(r.cupy_gpu for r in records),
+        nccl_available=cuda and all(r.nccl for r in records),
+        p2p_ok=p2p_ok,
+        p2p_detail=p2p_detail,
+        nccl_p2p_disable=any(r.nccl_p2p_disable for r in records),
+        has_torch_group=has_torch_group,
+        ipc_verified=ipc_verified,
+        ipc_detail=ipc_detail,
+        gpu_sharing_ranks=_gpu_sharing_ranks(records) if cuda else 0,
+    )
 
 
 def onesided_blockers(f: Facts) -> list[str]:

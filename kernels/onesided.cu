@@ -1,121 +1,25 @@
 // ipc_dpsample one-sided kernels: push data into peers' arenas through CUDA IPC
-// mappings, signal with epoch-tagged flags, wait with a bounded spin.
+// mappings, signal with epoch-tagged flags, wait with the one bounded spin of
+// dp_common.cuh. Host half: ipc_dpsample/backends/onesided/.
 //
-// No toolkit headers: acquire/release and the timer are inline PTX, so NVRTC
-// (CuPy RawModule) and nvcc (the CI compile check) both build this file anywhere.
-//
-// Arena layout (byte offsets come from ipc_dpsample/symmetric.py:ArenaLayout and
-// travel as kernel arguments):
-//   ctrl   : u32 epoch, u32 cta_counter, u32 broken, ... ; u64 probe[tp]
+// Arena (offsets in DpDesc, computed by ArenaLayout on the host):
+//   ctrl   : u32 epoch, counter, broken ... ; u64 probe[tp]
 //   flags  : u64 flags[2][tp]            one writer per word: flags[p][src]
 //   ready  : u64 ready[2][tp]            graph-mode swap entry barrier, same scheme
 //   ll     : u64 ll[2][tp][ll_slots]     LL packets (value | epoch << 32)
-//   swap   : bytes swap[2][R_max*N][V]   receive regions of swap_batch_vocab,
-//            then one more [R_max*N][V]  fixed output (CUDA-graph mode: peers push
-//                                        into it after the entry barrier dp_swap_enter)
-//   outputs: int32/float32 persistent gather outputs (local only)
+//   swap   : swap[2][R_max*N][V]         receive regions of swap_batch_vocab, then
+//            one more [R_max*N][V]       fixed output (CUDA-graph mode)
+//   outputs: persistent gather / argmax outputs (local only)
 // Op e (epochs start at 1) uses region and flag parity e & 1.
 //
-// All scalar arguments are 64-bit (CuPy passes Python ints as long long).
+// Argument order of every op kernel: the per-call values first (input pointers,
+// bs_ptr, bs_host: rewritten per call by the host's PreparedLaunch), then the
+// descriptor (by value: it lives in the kernel's parameter space), then the op's
+// fixed arguments. Real rows: requests >= bs (read from the device int32 at bs_ptr
+// when it is set, else bs_host) are neither read nor written; every rank still
+// signals and waits, so ranks without a real request keep the protocol going.
 
-typedef unsigned long long u64;
-typedef long long i64;
-typedef unsigned int u32;
-
-// Host-visible error block (mapped pinned memory); mirrored by
-// ipc_dpsample/symmetric.py:ERROR_BLOCK_FORMAT.
-struct ErrorBlock {
-  u32 code;      // 0 ok, 1 peer timeout, 2 signature mismatch
-  u32 rank;      // the rank that detected it
-  u32 peer;      // the peer it waited for
-  u32 op;        // op code of the waiting rank
-  u32 expected;  // epoch the waiting rank expected
-  u32 seen_sig;  // signature word seen from the peer (mismatch) or 0
-  u64 seen;      // last 64-bit word seen from the peer
-};
-static_assert(sizeof(ErrorBlock) == 32, "ErrorBlock layout is shared with Python");
-
-#define CTRL_EPOCH 0
-#define CTRL_COUNTER 1
-#define CTRL_BROKEN 2
-#define ERR_TIMEOUT 1u
-#define ERR_MISMATCH 2u
-
-__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
-  u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// acq_rel is enough for the release/acquire patterns here (data stores, then a
-// counter bump or a flag store; a flag load, then data loads); sc would also order
-// unrelated stores and costs more.
-__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-__device__ __forceinline__ u64 globaltimer_ns() {
-  u64 t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Record the first error of this op (one writer: the elected thread) and mark
-// the communicator broken so later launches do nothing.
-__device__ void report_error(ErrorBlock* err, u32* ctrl, u32 code, u32 rank, u32 peer, u32 op,
-                             u32 expected, u64 seen) {
-  // claim first: only one thread (of every kernel of this rank) writes the record
-  if (atomicCAS(&ctrl[CTRL_BROKEN], 0u, code) != 0u) return;
-  volatile ErrorBlock* e = err;
-  e->rank = rank;
-  e->peer = peer;
-  e->op = op;
-  e->expected = expected;
-  e->seen_sig = (u32)(seen & 0xffffffffull);
-  e->seen = seen;
-  __threadfence_system();
-  e->code = code;  // written last: the host reads the fields once it sees a code
-  __threadfence_system();
-}
-
-// Wait until flags[parity][src] carries epoch `e`; check its signature.
-// Returns 0 on success, else the error code (already reported).
-__device__ u32 wait_flag(const u64* flag, u32 e, u32 sig, u64 timeout_ns, ErrorBlock* err,
-                         u32* ctrl, u32 rank, u32 src, u32 op) {
-  u64 start = 0;
-  u64 v = ld_acquire_sys(flag);
-  u32 spins = 0;
-  while ((u32)(v >> 32) != e) {
-    if (((++spins) & 1023u) == 0) {
-      u64 now = globaltimer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > timeout_ns) {
-        report_error(err, ctrl, ERR_TIMEOUT, rank, src, op, e, v);
-        return ERR_TIMEOUT;
-      }
-      if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return ERR_TIMEOUT;
-    }
-    v = ld_acquire_sys(flag);
-  }
-  if ((u32)(v & 0xffffffffull) != sig) {
-    report_error(err, ctrl, ERR_MISMATCH, rank, src, op, e, v);
-    return ERR_MISMATCH;
-  }
-  return 0;
-}
+#include "dp_common.cuh"
 
 // Block-wide copy of n bytes using the widest vector the relative alignment of
 // dst and src allows: scalar head until dst is aligned, vector body, scalar tail.
@@ -123,21 +27,20 @@ __device__ u32 wait_flag(const u64* flag, u32 e, u32 sig, u64 timeout_ns, ErrorB
 // parallelism: a CTA copies a 32 KiB tile in one round trip), with the tail of
 // the last round predicated instead of falling back to one load at a time.
 #ifndef DP_SWAP_UNROLL
-#define DP_SWAP_UNROLL 4  // vector loads in flight per thread (host: IPC_DPSAMPLE_SWAP_UNROLL)
+#define DP_SWAP_UNROLL 4  // vector loads in flight per thread (IPC_DPSAMPLE_SWAP_UNROLL)
 #endif
 #ifndef DP_SWAP_STREAMING
-#define DP_SWAP_STREAMING 0  // 1: 16-byte moves with streaming cache hints (IPC_DPSAMPLE_SWAP_STREAMING)
+#define DP_SWAP_STREAMING 0  // 1: streaming cache hints on 16-byte moves (IPC_DPSAMPLE_SWAP_STREAMING)
 #endif
 
-// Vector load/store of the copy loop. With DP_SWAP_STREAMING the 16-byte path reads
-// through the non-coherent path without L1 allocation, asking L2 to fetch 256-byte
-// blocks, and stores evict-first: every byte is touched once. The source is the
-// caller's input, which no kernel writes while the swap runs.
 template <typename V>
 __device__ __forceinline__ V ld_vec(const V* p) { return *p; }
 template <typename V>
 __device__ __forceinline__ void st_vec(V* p, const V& v) { *p = v; }
 #if DP_SWAP_STREAMING
+// Reads through the non-coherent path without L1 allocation (L2 fetches 256-byte
+// blocks), stores evict-first: every byte is touched once. The source is the
+// caller's input, which no kernel writes while the swap runs.
 template <>
 __device__ __forceinline__ uint4 ld_vec<uint4>(const uint4* p) {
   uint4 v;
@@ -192,118 +95,120 @@ __device__ __forceinline__ void copy_block(char* dst, const char* src, u64 n) {
   }
 }
 
-// The swap's data movement: CTAs stride over the tiles (destination, row, chunk);
-// rows for the own rank stay local. I is the tile index type: 32-bit whenever the
-// tile count fits (the per-tile index math is then a few instructions, not three
-// 64-bit divisions that stall the warp between its loads); byte offsets stay 64-bit.
+// The swap's data movement. Tiles are (real row, chunk) pairs over the bs*N real
+// rows of the padded batch, dest-major (dest d owns rows [d*R*N, (d+1)*R*N)), so
+// phantom rows cost nothing; the start is rotated by rank so ranks do not all
+// target the same peer at once. I is the tile index type: 32-bit whenever the tile
+// count fits (the per-tile index math is then a few instructions, not 64-bit
+// divisions that stall the warp between its loads); byte offsets stay 64-bit.
+// Returns true when this CTA moved at least one tile.
 template <typename I>
-__device__ __forceinline__ void push_tiles(u64 src_ptr, const u64* peers, u64 region_off,
-                                           i64 rank, i64 tp, i64 rows_per_dest, i64 shard_bytes,
-                                           i64 row_bytes_out, i64 chunks_per_row,
-                                           i64 chunk_bytes) {
+__device__ __forceinline__ bool push_tiles(const DpDesc& d, u64 src_ptr, u64 region_off,
+                                           u64 real_rows, u64 rows_per_dest, u64 shard_bytes,
+                                           u64 chunks_per_row, u64 chunk_bytes) {
   const I cpr = (I)chunks_per_row;
-  const I per_dest = (I)rows_per_dest * cpr;
-  const I ntp = (I)tp;
-  const I tiles = ntp * per_dest;
-  const u64 sb = (u64)shard_bytes, cb = (u64)chunk_bytes;
+  const I rows = (I)real_rows;
+  const I rpd = (I)rows_per_dest;
+  const I tiles = rows * cpr;
+  if ((I)blockIdx.x >= tiles) return false;
+  const u64* peers = (const u64*)d.peers;
+  const u64 row_bytes_out = shard_bytes * d.tp;
+  const I start = (I)(((u64)(d.rank + 1) * rows_per_dest) % real_rows);
   for (I b = blockIdx.x; b < tiles; b += gridDim.x) {
-    const I di = b / per_dest;
-    const I rem = b - di * per_dest;
-    const I row = rem / cpr;
-    const I chunk = rem - row * cpr;
-    // rotate destinations so ranks do not all target the same peer at once
-    I dest = (I)rank + 1 + di;  // < 2 tp
-    if (dest >= ntp) dest -= ntp;
-    const u64 c0 = (u64)chunk * cb;
-    u64 n = sb - c0;
-    if (n > cb) n = cb;
-    const char* s = (const char*)src_ptr + ((u64)dest * (u64)rows_per_dest + row) * sb + c0;
-    char* d = (char*)(peers[dest] + region_off) + (u64)row * (u64)row_bytes_out +
-              (u64)rank * sb + c0;
-    copy_block(d, s, n);
+    I g = b / cpr;
+    const I chunk = b - g * cpr;
+    g += start;
+    if (g >= rows) g -= rows;
+    const I dest = g / rpd;
+    const I row = g - dest * rpd;
+    const u64 c0 = (u64)chunk * chunk_bytes;
+    u64 n = shard_bytes - c0;
+    if (n > chunk_bytes) n = chunk_bytes;
+    const char* s = (const char*)src_ptr + (u64)g * shard_bytes + c0;
+    char* t = (char*)(peers[dest] + region_off) + (u64)row * row_bytes_out +
+              (u64)d.rank * shard_bytes + c0;
+    copy_block(t, s, n);
   }
+  return true;
 }
 
-// swap_batch_vocab: one launch. Every CTA moves its tiles (push_tiles), fences and
-// bumps the local counter; the last CTA alone signals the peers (thread t -> peer t)
-// and waits for them.
+// swap_batch_vocab: one launch. Every CTA moves its tiles, fences and bumps the
+// local counter; the last CTA alone signals the peers (thread t -> peer t) and
+// waits for them.
 extern "C" __global__ void dp_swap_push(
-    u64 src_ptr,          // local_logits [pad_bs*N, Vs] (bytes: shard_bytes per row)
-    u64 peers_ptr,        // u64[tp] peer arena bases (own base at [rank])
-    u64 ctrl_ptr,         // own ctrl block (u32*)
-    u64 err_ptr,          // ErrorBlock* (host-mapped)
-    u64 swap_off,         // offset of swap region 0
-    u64 swap_region_bytes,
-    u64 flags_off,
-    i64 rank, i64 tp,
-    i64 rows_per_dest,    // R*N
-    i64 shard_bytes,      // Vs * itemsize
-    i64 row_bytes_out,    // V * itemsize
+    u64 src_ptr,  // local_logits [pad_bs*N, Vs] (shard_bytes per row)
+    u64 bs_ptr, i64 bs_host, DpDesc d,
+    i64 pad_bs,
+    i64 shard_bytes,  // Vs * itemsize
     i64 chunks_per_row, i64 chunk_bytes,
-    u64 sig, u64 timeout_ns,
-    u64 data_parity_mask) {  // 1; 0: one data region (graph mode's fixed output, where
-                             // dp_swap_enter ran first; or the test hook showing the race)
-  u32* ctrl = (u32*)ctrl_ptr;
-  const u64* peers = (const u64*)peers_ptr;
-  ErrorBlock* err = (ErrorBlock*)err_ptr;
-  if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile u32*)ctrl)[CTRL_EPOCH] + 1u;
-  const u64 parity = e & 1u;
-  const u64 region_off = swap_off + (parity & data_parity_mask) * swap_region_bytes;
+    u64 sig,               // signature without bs
+    u64 region_off,        // swap region 0, or the fixed output in graph mode
+    u64 data_parity_mask)  // 1: ping-pong regions; 0: one region (graph mode's fixed
+                           // output, where dp_swap_enter ran first; or the race test hook)
+{
+  u32* ctrl = dp_ctrl(d);
+  if (dp_broken(d)) return;
+  const u32 e = dp_next_epoch(d);
+  const u32 parity = e & 1u;
+  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const u32 full_sig = (u32)sig | bs;
+  const u64 off = region_off + (u64)(parity & data_parity_mask) * d.swap_region_bytes;
+  const u64 rows_per_dest = (u64)(pad_bs / d.tp) * d.n;
+  const u64 real_rows = (u64)bs * d.n;
 
-  // grid-stride: the host launches at most a few CTAs per SM, so each CTA's fence
-  // and counter bump is paid once, not per tile
-  const u64 tiles = (u64)tp * (u64)rows_per_dest * (u64)chunks_per_row;
-  if (tiles <= 0xffffffffull)
-    push_tiles<u32>(src_ptr, peers, region_off, rank, tp, rows_per_dest, shard_bytes,
-                    row_bytes_out, chunks_per_row, chunk_bytes);
+  bool moved = false;
+  if (real_rows * (u64)chunks_per_row <= 0xffffffffull)
+    moved = push_tiles<u32>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes,
+                            chunks_per_row, chunk_bytes);
   else
-    push_tiles<u64>(src_ptr, peers, region_off, rank, tp, rows_per_dest, shard_bytes,
-                    row_bytes_out, chunks_per_row, chunk_bytes);
+    moved = push_tiles<u64>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes,
+                            chunks_per_row, chunk_bytes);
 
   __shared__ u32 last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    fence_sys();
-    const u32 prev = atomicAdd(&ctrl[CTRL_COUNTER], 1u);
+    if (moved) fence_sys();  // a CTA that stored nothing has nothing to publish
+    const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
     last = (prev == gridDim.x - 1) ? 1u : 0u;
   }
   __syncthreads();
   if (!last) return;
 
   fence_sys();
-  const u64 word = ((u64)e << 32) | (sig & 0xffffffffull);
-  if (threadIdx.x < tp) {
-    u64* f = (u64*)(peers[threadIdx.x] + flags_off) + parity * tp + rank;
-    st_release_sys(f, word);
-  }
-  if (threadIdx.x < tp) {
-    const u64* f = (const u64*)((u64)ctrl + flags_off) + parity * tp + threadIdx.x;
-    wait_flag(f, e, (u32)sig, timeout_ns, err, ctrl, (u32)rank, threadIdx.x, (u32)(sig >> 28));
+  const u64 word = ((u64)e << 32) | full_sig;
+  const u64* peers = (const u64*)d.peers;
+  if (threadIdx.x < d.tp) {
+    st_release_sys(dp_flag(d, peers[threadIdx.x], d.flags_off, parity, d.rank), word);
+    dp_wait_flag(d, dp_flag(d, d.base, d.flags_off, parity, threadIdx.x), e, threadIdx.x,
+                 full_sig);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    ctrl[CTRL_COUNTER] = 0;
-    ctrl[CTRL_EPOCH] = e;
+    ctrl[DP_CTRL_COUNTER] = 0;
+    ctrl[DP_CTRL_EPOCH] = e;
   }
 }
 
 // The other CUDA-graph mode of a swap (IPC_DPSAMPLE_GRAPH_SWAP=copy): the push
 // wrote the ping-pong region of the op that just finished (its parity is only known
-// on the device); copy it into the fixed output a captured consumer reads. Moves
-// the output's bytes once more; needs no barrier and no agreement on the mode.
-extern "C" __global__ void dp_swap_copy_out(u64 ctrl_ptr, u64 region0, u64 region_bytes,
-                                            u64 dst, u64 nbytes, u64 data_parity_mask) {
-  const u32* ctrl = (const u32*)ctrl_ptr;
-  if (((volatile const u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile const u32*)ctrl)[CTRL_EPOCH];
-  const char* src = (const char*)(region0 + (u64)(e & 1u & data_parity_mask) * region_bytes);
+// on the device); copy its real rows into the fixed output a captured consumer
+// reads. Moves the output's bytes once more; needs no barrier.
+extern "C" __global__ void dp_swap_copy_out(u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
+                                            i64 row_bytes, u64 data_parity_mask) {
+  if (dp_broken(d)) return;
+  const u32 e = ((volatile const u32*)dp_ctrl(d))[DP_CTRL_EPOCH];
+  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const u32 R = (u32)(pad_bs / d.tp);
+  const u64 nbytes = (u64)dp_real_reqs(bs, d.rank, R) * d.n * (u64)row_bytes;
+  const char* src = (const char*)(d.base + d.swap_off +
+                                  (u64)(e & 1u & data_parity_mask) * d.swap_region_bytes);
+  char* dst = (char*)(d.base + d.swap_fixed_off);
   const u64 step = ((nbytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
   const u64 begin = step * blockIdx.x;
   if (begin >= nbytes) return;
   u64 n = nbytes - begin;
   if (n > step) n = step;
-  copy_block((char*)dst + begin, src + begin, n);
+  copy_block(dst + begin, src + begin, n);
 }
 
 // Entry barrier of a swap in CUDA-graph mode, launched right before dp_swap_push
@@ -314,153 +219,98 @@ extern "C" __global__ void dp_swap_copy_out(u64 ctrl_ptr, u64 region0, u64 regio
 // for peer t's word. One CTA: only it spins, so ranks sharing a GPU cannot starve
 // each other of SMs. A peer already inside another op at epoch e (a gather signals
 // flags[e&1] without a barrier) is a call-sequence mismatch, reported as such.
-extern "C" __global__ void dp_swap_enter(u64 peers_ptr, u64 ctrl_ptr, u64 err_ptr, u64 ready_off,
-                                         u64 flags_off, i64 rank, i64 tp, u64 sig,
-                                         u64 timeout_ns) {
-  u32* ctrl = (u32*)ctrl_ptr;
-  const u64* peers = (const u64*)peers_ptr;
-  ErrorBlock* err = (ErrorBlock*)err_ptr;
-  if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile u32*)ctrl)[CTRL_EPOCH] + 1u;
-  const u64 parity = e & 1u;
-  const u64 word = ((u64)e << 32) | (sig & 0xffffffffull);
-  const u32 op = (u32)(sig >> 28);
-  const u64 t = threadIdx.x;
-  if (t >= (u64)tp) return;
-  st_release_sys((u64*)(peers[t] + ready_off) + parity * tp + rank, word);
-  const u64* ready = (const u64*)((u64)ctrl + ready_off) + parity * tp + t;
-  const u64* flag = (const u64*)((u64)ctrl + flags_off) + parity * tp + t;
-  u64 start = 0;
-  u32 spins = 0;
-  u64 v = ld_acquire_sys(ready);
-  while ((u32)(v >> 32) != e) {
-    const u64 f = ld_acquire_sys(flag);
-    if ((u32)(f >> 32) == e) {
-      // the peer signalled op e: after its own ready word if it is this swap (then
-      // the acquire above makes that word visible now), else it is another op
-      v = ld_acquire_sys(ready);
-      if ((u32)(v >> 32) == e) break;
-      report_error(err, ctrl, ERR_MISMATCH, (u32)rank, (u32)t, op, e, f);
-      return;
-    }
-    if (((++spins) & 1023u) == 0) {
-      const u64 now = globaltimer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > timeout_ns) {
-        report_error(err, ctrl, ERR_TIMEOUT, (u32)rank, (u32)t, op, e, v);
-        return;
-      }
-      if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
-    }
-    v = ld_acquire_sys(ready);
-  }
-  if ((u32)(v & 0xffffffffull) != (u32)sig)
-    report_error(err, ctrl, ERR_MISMATCH, (u32)rank, (u32)t, op, e, v);
+extern "C" __global__ void dp_swap_enter(u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
+                                         u64 sig) {
+  if (dp_broken(d)) return;
+  const u32 e = dp_next_epoch(d);
+  const u32 parity = e & 1u;
+  const u32 full_sig = (u32)sig | dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const u32 t = threadIdx.x;
+  if (t >= d.tp) return;
+  const u64* peers = (const u64*)d.peers;
+  st_release_sys(dp_flag(d, peers[t], d.ready_off, parity, d.rank), ((u64)e << 32) | full_sig);
+  dp_wait_flag(d, dp_flag(d, d.base, d.ready_off, parity, t), e, t, full_sig,
+               dp_flag(d, d.base, d.flags_off, parity, t));
+}
+
+// Is value k of a gather payload a real row's? kind 0 payload: predict [R,N],
+// accept_index [R,N], accept_length [R]; kind 1: logprobs [R,N]. `c` real requests.
+__device__ __forceinline__ bool gather_value_real(i64 k, i64 RN, u32 n, u32 c) {
+  if (k < RN) return k < (i64)c * n;
+  if (k < 2 * RN) return k - RN < (i64)c * n;
+  return k - 2 * RN < (i64)c;
 }
 
 // Gathers as LL packets: value | epoch << 32 in one 8-byte store, region parity
-// e & 1, no barrier and no clearing pass. One CTA. kind 0: verify outputs
-// (predict [R,N], accept_index [R,N], accept_length [R]); kind 1: logprobs [R,N]
-// (moved as 32-bit patterns).
-extern "C" __global__ void dp_gather_ll(
-    u64 in0, u64 in1, u64 in2,       // local inputs (in1, in2 unused for kind 1)
-    u64 out0, u64 out1, u64 out2,    // persistent outputs [pad_bs,N], [pad_bs,N], [pad_bs]
-    u64 peers_ptr, u64 ctrl_ptr, u64 err_ptr,
-    u64 ll_off, u64 ll_region_bytes, i64 ll_slots, u64 flags_off,
-    i64 rank, i64 tp, i64 R, i64 N, i64 kind, u64 sig, u64 timeout_ns, u64 data_parity_mask) {
-  u32* ctrl = (u32*)ctrl_ptr;
-  const u64* peers = (const u64*)peers_ptr;
-  ErrorBlock* err = (ErrorBlock*)err_ptr;
-  if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) return;
-  const u32 e = ((volatile u32*)ctrl)[CTRL_EPOCH] + 1u;
-  const u64 parity = e & 1u;
-  const u64 dparity = parity & data_parity_mask;
+// e & 1, no barrier and no clearing pass. One CTA. Values of phantom requests are
+// neither sent nor awaited nor written.
+extern "C" __global__ void dp_gather_ll(u64 in0, u64 in1, u64 in2, u64 bs_ptr, i64 bs_host,
+                                        DpDesc d, i64 pad_bs, i64 kind, u64 sig) {
+  if (dp_broken(d)) return;
+  const u32 e = dp_next_epoch(d);
+  const u32 parity = e & 1u;
+  const u64 dparity = parity & d.parity_mask;
   const u64 tag = (u64)e << 32;
-  const i64 RN = R * N;
+  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const u32 full_sig = (u32)sig | bs;
+  const u32 R = (u32)(pad_bs / d.tp), n = d.n, tp = d.tp, rank = d.rank;
+  const i64 RN = (i64)R * n;
   const i64 vals = kind == 0 ? 2 * RN + R : RN;
   const u32* a0 = (const u32*)in0;
   const u32* a1 = (const u32*)in1;
   const u32* a2 = (const u32*)in2;
+  const u64* peers = (const u64*)d.peers;
+  const u32 mine = dp_real_reqs(bs, rank, R);
 
-  // push: every value to every peer (own rank included)
+  // push: every real value to every peer (own rank included)
   for (i64 k = threadIdx.x; k < vals; k += blockDim.x) {
-    u32 v;
-    if (k < RN) {
-      v = a0[k];
-    } else if (k < 2 * RN) {
-      v = a1[k - RN];
-    } else {
-      v = a2[k - 2 * RN];
-    }
+    if (!gather_value_real(k, RN, n, mine)) continue;
+    const u32 v = k < RN ? a0[k] : (k < 2 * RN ? a1[k - RN] : a2[k - 2 * RN]);
     const u64 packet = tag | v;
-    for (i64 j = 0; j < tp; ++j) {
-      const i64 dest = (rank + j) % tp;
-      u64* slot = (u64*)(peers[dest] + ll_off + dparity * ll_region_bytes) + rank * ll_slots + k;
+    for (u32 j = 0; j < tp; ++j) {
+      u32 dest = rank + j;
+      if (dest >= tp) dest -= tp;
+      u64* slot = (u64*)(peers[dest] + d.ll_off + dparity * d.ll_region_bytes) +
+                  (u64)rank * d.ll_slots + k;
       st_relaxed_sys(slot, packet);
     }
   }
-  const u64 word = tag | (sig & 0xffffffffull);
-  if (threadIdx.x < tp) {
-    u64* f = (u64*)(peers[threadIdx.x] + flags_off) + parity * tp + rank;
-    st_release_sys(f, word);
-  }
+  if (threadIdx.x < tp)
+    st_release_sys(dp_flag(d, peers[threadIdx.x], d.flags_off, parity, rank), tag | full_sig);
 
-  // wait: headers first (signature check), then every packet
+  // wait: headers first (signature check), then every real packet
   __shared__ u32 failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  if (threadIdx.x < tp) {
-    const u64* f = (const u64*)((u64)ctrl + flags_off) + parity * tp + threadIdx.x;
-    if (wait_flag(f, e, (u32)sig, timeout_ns, err, ctrl, (u32)rank, threadIdx.x,
-                  (u32)(sig >> 28)) != 0)
-      atomicOr(&failed, 1u);
-  }
+  if (threadIdx.x < tp &&
+      !dp_wait_flag(d, dp_flag(d, d.base, d.flags_off, parity, threadIdx.x), e, threadIdx.x,
+                    full_sig))
+    atomicOr(&failed, 1u);
   __syncthreads();
   if (failed) return;
 
-  const u64* region = (const u64*)((u64)ctrl + ll_off + dparity * ll_region_bytes);
-  u32* o0 = (u32*)out0;
-  u32* o1 = (u32*)out1;
-  u32* o2 = (u32*)out2;
-  const i64 total = tp * vals;
+  const u64* region = (const u64*)(d.base + d.ll_off + dparity * d.ll_region_bytes);
+  u32* o0 = (u32*)(d.base + d.out_off[kind == 0 ? 0 : 3]);
+  u32* o1 = (u32*)(d.base + d.out_off[1]);
+  u32* o2 = (u32*)(d.base + d.out_off[2]);
+  const i64 total = (i64)tp * vals;
   for (i64 t = threadIdx.x; t < total; t += blockDim.x) {
-    const i64 src = t / vals;
-    const i64 k = t - src * vals;
-    const u64* slot = region + src * ll_slots + k;
-    u64 p = ld_relaxed_sys(slot);
-    u64 start = 0;
-    u32 spins = 0;
-    bool ok = true;
-    while ((u32)(p >> 32) != e) {
-      if (((++spins) & 1023u) == 0) {
-        const u64 now = globaltimer_ns();
-        if (start == 0) {
-          start = now;
-        } else if (now - start > timeout_ns) {
-          report_error(err, ctrl, ERR_TIMEOUT, (u32)rank, (u32)src, (u32)(sig >> 28), e, p);
-          ok = false;
-          break;
-        }
-        if (((volatile u32*)ctrl)[CTRL_BROKEN] != 0) {
-          ok = false;
-          break;
-        }
-      }
-      p = ld_relaxed_sys(slot);
-    }
-    if (!ok) break;
+    const u32 src = (u32)(t / vals);
+    const i64 k = t - (i64)src * vals;
+    if (!gather_value_real(k, RN, n, dp_real_reqs(bs, src, R))) continue;
+    const u64 p = dp_wait(d, region + (u64)src * d.ll_slots + k, e, src, full_sig, nullptr, true);
+    if (p == 0) break;
     const u32 v = (u32)(p & 0xffffffffull);
     if (k < RN) {
       o0[src * RN + k] = v;
     } else if (k < 2 * RN) {
       o1[src * RN + (k - RN)] = v;
     } else {
-      o2[src * R + (k - 2 * RN)] = v;
+      o2[(i64)src * R + (k - 2 * RN)] = v;
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) ctrl[CTRL_EPOCH] = e;
+  if (threadIdx.x == 0) dp_ctrl(d)[DP_CTRL_EPOCH] = e;
 }
 
 // Init-time verification: write `value` into a peer's probe slot through the

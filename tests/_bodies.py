@@ -559,7 +559,13 @@ def _reject(
         elif fault == "dtype":
             choices = [torch.float64, torch.int64, torch.int16, torch.uint8, torch.float16]
             args[i] = a.to(rng.choice([d for d in choices if d != a.dtype]))
-        elif fault == "noncontig" and a.dim() == 2 and a.shape[0] > 1 and a.shape[1] > 1:
+        elif (
+            fault == "noncontig"
+            and op != "gather_verify_logprobs"  # made contiguous for the caller (TokenSpeed)
+            and a.dim() == 2
+            and a.shape[0] > 1
+            and a.shape[1] > 1
+        ):
             args[i] = torch.ones(a.shape[1], a.shape[0], dtype=a.dtype).t()
         else:
             call_pad_bs = pad_bs + 1  # not a multiple of tp (tp > 1), args sized for pad_bs

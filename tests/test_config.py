@@ -4,7 +4,6 @@ agreement check that turns differing configurations into ConfigMismatchError."""
 from __future__ import annotations
 
 import dataclasses
-import struct
 from typing import Any
 
 import pytest
@@ -13,7 +12,6 @@ from ipc_dpsample import ConfigMismatchError, DpSampleError
 from ipc_dpsample.config import (
     AGREED_FIELDS,
     RECORD_SIZE,
-    RECORD_VERSION,
     CommConfig,
     PeerRecord,
     check_agreement,
@@ -162,37 +160,44 @@ def test_versions_that_differ_only_after_16_bytes_still_mismatch() -> None:
         check_agreement(records, 0)
 
 
-def _corrupt(raw: bytes, fmt_index: int, value: Any) -> bytes:
+def _corrupt(raw: bytes, field: str, value: Any) -> bytes:
     from ipc_dpsample import config
 
-    fields = list(struct.unpack(config._FMT, raw))
-    fields[fmt_index] = value
-    return struct.pack(config._FMT, *fields)
+    rec = config._RECORD
+    fields = list(rec._struct.unpack(raw))
+    fields[1 if field == "record_version" else 2 + rec.names.index(field)] = value
+    return rec._struct.pack(*fields)
 
 
-# fields in the record format: magic, version, tp, rank, max_pad_bs, N, V, dtype,
-# backend, device kind, package version, pid, host id, boot id, GPU UUID
 MALFORMED = {
     "empty": lambda raw: b"",
     "short": lambda raw: raw[:-1],
     "long": lambda raw: raw + b"\0",
     "double": lambda raw: raw + raw,
     "magic": lambda raw: b"XXXXXXXX" + raw[8:],
-    "record_version": lambda raw: _corrupt(raw, 1, RECORD_VERSION + 1),
-    "dtype_code": lambda raw: _corrupt(raw, 7, 9),
-    "backend_code": lambda raw: _corrupt(raw, 8, 4),
-    "device_code": lambda raw: _corrupt(raw, 9, 2),
-    "tp_size_zero": lambda raw: _corrupt(raw, 2, 0),
-    "tp_size_negative": lambda raw: _corrupt(raw, 2, -2),
-    "rank_negative": lambda raw: _corrupt(raw, 3, -1),
-    "rank_beyond_tp": lambda raw: _corrupt(raw, 3, 2),
-    "max_pad_bs_zero": lambda raw: _corrupt(raw, 4, 0),
-    "max_pad_bs_not_multiple_of_tp": lambda raw: _corrupt(raw, 4, 7),
-    "n_zero": lambda raw: _corrupt(raw, 5, 0),
-    "vocab_negative": lambda raw: _corrupt(raw, 6, -1024),
-    "vocab_not_multiple_of_tp": lambda raw: _corrupt(raw, 6, 1023),
-    "pid_negative": lambda raw: _corrupt(raw, 11, -5),
+    "record_version": lambda raw: _corrupt(raw, "record_version", config_record_version() + 1),
+    "dtype_code": lambda raw: _corrupt(raw, "dtype", 9),
+    "backend_code": lambda raw: _corrupt(raw, "backend", 4),
+    "device_code": lambda raw: _corrupt(raw, "device_kind", 2),
+    "tp_size_zero": lambda raw: _corrupt(raw, "tp_size", 0),
+    "tp_size_negative": lambda raw: _corrupt(raw, "tp_size", -2),
+    "rank_negative": lambda raw: _corrupt(raw, "rank", -1),
+    "rank_beyond_tp": lambda raw: _corrupt(raw, "rank", 2),
+    "max_pad_bs_zero": lambda raw: _corrupt(raw, "max_pad_bs", 0),
+    "max_pad_bs_not_multiple_of_tp": lambda raw: _corrupt(raw, "max_pad_bs", 7),
+    "n_zero": lambda raw: _corrupt(raw, "num_tokens_per_req", 0),
+    "vocab_negative": lambda raw: _corrupt(raw, "vocab_size", -1024),
+    "vocab_not_multiple_of_tp": lambda raw: _corrupt(raw, "vocab_size", 1023),
+    "pid_negative": lambda raw: _corrupt(raw, "pid", -5),
+    "graph_swap_code": lambda raw: _corrupt(raw, "graph_swap", 7),
+    "too_many_gpus": lambda raw: _corrupt(raw, "n_visible", 17),
 }
+
+
+def config_record_version() -> int:
+    from ipc_dpsample import config
+
+    return config._RECORD.version
 
 
 @pytest.mark.parametrize("name", list(MALFORMED))
@@ -204,7 +209,9 @@ def test_malformed_record_raises(name: str) -> None:
 
 def test_record_strings_with_invalid_utf8_do_not_crash() -> None:
     raw = bytearray(pack_record(_rec()))
-    start = struct.calcsize("<8sHiiiiqBBB16sq")  # host id follows the pid
+    from ipc_dpsample import config
+
+    start = config._RECORD.offset_of("host_id")
     raw[start : start + 4] = b"\xff\xfe\xfd\xfc"
     rec = unpack_record(bytes(raw))
     assert isinstance(rec.host_id, str)
@@ -220,6 +227,7 @@ _OTHER = {
     "backend": "torch",
     "device_kind": "cpu",
     "version": "0.2.0",
+    "graph_swap": "copy",
 }
 
 

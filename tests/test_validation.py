@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ipc_dpsample import DpSampleError, DpSamplingComm
+from ipc_dpsample.comm import DtypeMismatchError
 from ipc_dpsample.testing import run_ranks
 
 # make_comm's defaults: tp=1, max_pad_bs=6, N=2, V=5, float32
@@ -66,11 +67,13 @@ VALID: dict[str, Any] = {
     ("kw", "exc", "pattern"),
     [
         ({"num_tokens_per_req": 0}, ValueError, r"num_tokens_per_req=0 must be >= 1"),
-        ({"tp_size": 2, "vocab_size": 5}, ValueError, r"vocab_size=5 .*multiple of tp_size=2.* 6"),
-        ({"tp_size": 2, "max_pad_bs": 5, "vocab_size": 6}, ValueError, r"max_pad_bs=5 .*e\.g\. 6"),
+        # the group's size is checked before the values that depend on tp_size
+        ({"tp_size": 2, "vocab_size": 5}, ValueError, r"tp_size=2 != the group's size 1"),
+        ({"tp_size": 2, "max_pad_bs": 5}, ValueError, r"tp_size=2 != the group's size 1"),
+        ({"vocab_size": 0}, ValueError, r"vocab_size=0 must be a positive multiple of tp_size=1"),
         ({"rank": 1}, ValueError, r"rank=1 out of range: expected 0 <= rank < 1"),
         ({"rank": -1}, ValueError, r"rank=-1 out of range"),
-        ({"tp_size": 2, "vocab_size": 6}, ValueError, r"tp_size=2 != group size 1"),
+        ({"tp_size": 2, "vocab_size": 6}, ValueError, r"tp_size=2 != the group's size 1"),
         ({"logits_dtype": "float64"}, TypeError, r"unsupported dtype 'float64'"),
         ({"logits_dtype": torch.int64}, TypeError, r"unsupported dtype torch\.int64"),
         ({"logits_dtype": "int32"}, ValueError, r"logits_dtype='int32'; expected one of"),
@@ -121,12 +124,22 @@ def test_pad_bs_out_of_range(make_comm: Any, op: str, pad_bs: int) -> None:
     _valid_calls_work(comm)
 
 
-@pytest.mark.parametrize("pad_bs", [4.0, "4", None, True, np.int32(4)])
+@pytest.mark.parametrize("pad_bs", [4.0, "4", None, True, np.float32(4)])
 def test_pad_bs_must_be_int(make_comm: Any, pad_bs: Any) -> None:
     comm = make_comm()
     with pytest.raises(TypeError, match=r"pad_bs must be an int"):
         comm.swap_batch_vocab(_logits(4), pad_bs=pad_bs)
     _valid_calls_work(comm)
+
+
+@pytest.mark.parametrize("pad_bs", [np.int32(4), np.int64(4), torch.tensor(4).numpy()[()]])
+def test_pad_bs_accepts_any_integral(make_comm: Any, pad_bs: Any) -> None:
+    comm = make_comm()
+    x = _logits(4)
+    assert np.array_equal(_bodies.bits(comm.swap_batch_vocab(x, pad_bs=pad_bs)), _bodies.bits(x))
+    lp = _lp(4)
+    out = comm.gather_verify_logprobs(lp, pad_bs=pad_bs)
+    assert np.array_equal(_bodies.bits(out), _bodies.bits(lp))
 
 
 # -- shapes ----------------------------------------------------------------------------
@@ -192,8 +205,17 @@ def test_swap_wrong_dtype(make_comm: Any, comm_dtype: str, dtype: torch.dtype) -
     if _bodies.TORCH_DTYPES[comm_dtype] == dtype:
         assert comm.swap_batch_vocab(x, pad_bs=4).dtype == dtype
         return
-    with pytest.raises(TypeError, match=rf"local_logits dtype \w+ != expected {comm_dtype}"):
-        comm.swap_batch_vocab(x, pad_bs=4)
+    if dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # another logits dtype: a RuntimeError (TokenSpeed) that is also a TypeError,
+        # naming both dtypes
+        with pytest.raises(DtypeMismatchError, match=rf"dtype \w+ != .*logits dtype {comm_dtype}"):
+            comm.swap_batch_vocab(x, pad_bs=4)
+    else:
+        with pytest.raises(TypeError, match=rf"local_logits dtype \w+ != expected {comm_dtype}"):
+            comm.swap_batch_vocab(x, pad_bs=4)
+    assert issubclass(DtypeMismatchError, RuntimeError) and issubclass(
+        DtypeMismatchError, TypeError
+    )
     _valid_calls_work(comm)
 
 
@@ -368,31 +390,61 @@ def test_unusual_but_valid_inputs_work(make_comm: Any, make: Any) -> None:
 
 # -- prepare_verify_outputs ------------------------------------------------------------------
 def test_prepare_verify_outputs(make_comm: Any) -> None:
+    """TokenSpeed semantics: with logits_dtype=None the first dtype wins, whoever
+    fixes it (prepare or the first swap); later prepares are no-ops."""
     comm = make_comm(logits_dtype=None)
-    with pytest.raises(DpSampleError, match="logits dtype unknown"):
-        comm.swap_batch_vocab(torch.ones(8, V), pad_bs=4)
     for bad, exc in (("int32", TypeError), (torch.float64, TypeError), (None, TypeError)):
         with pytest.raises(exc, match="dtype"):
             comm.prepare_verify_outputs(bad)
-    for dtype in (torch.bfloat16, "fp16", np.float32, "float16", torch.float32):
-        comm.prepare_verify_outputs(dtype)
+    assert comm.logits_dtype is None
+    comm.prepare_verify_outputs(torch.bfloat16)
+    for dtype in ("fp16", np.float32, "float16", torch.float32):
+        comm.prepare_verify_outputs(dtype)  # no-op: bfloat16 was first
+        assert comm.logits_dtype == "bfloat16"
         _valid_calls_work(comm)
+    with pytest.raises(DtypeMismatchError, match=r"float32 != .*bfloat16"):
+        comm.swap_batch_vocab(torch.ones(8, V), pad_bs=4)
+
     fixed = make_comm(logits_dtype="float16")
-    with pytest.raises(ValueError, match=r"needs 4-byte elements.*built for float16"):
-        fixed.prepare_verify_outputs("float32")
-    fixed.prepare_verify_outputs("bfloat16")
-    assert fixed.logits_dtype == "bfloat16"
+    fixed.prepare_verify_outputs("float32")  # no-op: the constructor fixed float16
+    assert fixed.logits_dtype == "float16"
     _valid_calls_work(fixed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_first_swap_fixes_a_lazy_dtype(make_comm: Any, dtype: torch.dtype) -> None:
+    comm = make_comm(logits_dtype=None)
+    x = torch.randn(8, V).to(dtype)
+    assert np.array_equal(_bodies.bits(comm.swap_batch_vocab(x, pad_bs=4)), _bodies.bits(x))
+    assert comm.logits_dtype == str(dtype).removeprefix("torch.")
+    comm.prepare_verify_outputs("float32" if dtype != torch.float32 else "float16")  # no-op
+    assert comm.logits_dtype == str(dtype).removeprefix("torch.")
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    with pytest.raises(DtypeMismatchError) as info:
+        comm.swap_batch_vocab(x.to(other), pad_bs=4)
+    assert str(other).removeprefix("torch.") in str(info.value)
+    assert str(dtype).removeprefix("torch.") in str(info.value)
+    _valid_calls_work(comm)
+
+
+def test_non_contiguous_logprobs_are_accepted(make_comm: Any) -> None:
+    comm = make_comm()
+    lp = torch.randn(N, 4).t()  # [4, N], not contiguous
+    assert not lp.is_contiguous()
+    assert np.array_equal(_bodies.bits(comm.gather_verify_logprobs(lp, pad_bs=4)), _bodies.bits(lp))
+    with pytest.raises(ValueError, match="C-contiguous"):  # the other ops keep the check
+        comm.gather_verify_outputs(_i32(4, N).t().contiguous().t(), _i32(4, N), _i32(4), pad_bs=4)
 
 
 # -- lifecycle ---------------------------------------------------------------------------
 def test_close_is_idempotent_and_closed_comm_refuses_ops(make_comm: Any) -> None:
     comm = make_comm()
-    assert comm.is_initialized
+    assert comm.is_open
+    assert not comm.is_initialized  # TokenSpeed's meaning: no one-sided state on the CPU
     assert "open" in repr(comm)
     comm.close()
     comm.close()
-    assert not comm.is_initialized
+    assert not comm.is_open
     assert "closed" in repr(comm)
     i32 = _i32(4, N)
     for call in (
@@ -409,7 +461,7 @@ def test_close_is_idempotent_and_closed_comm_refuses_ops(make_comm: Any) -> None
 def test_context_manager_closes(make_comm: Any) -> None:
     with make_comm() as comm:
         _valid_calls_work(comm)
-    assert not comm.is_initialized
+    assert not comm.is_open
     with pytest.raises(DpSampleError, match="closed"):
         comm.gather_verify_logprobs(_lp(4), pad_bs=4)
 

@@ -42,24 +42,56 @@ class PreparedLaunch:
     device : int
     grid, block : int
         One-dimensional launch geometry.
-    args : tuple of int
-        Every argument; the first ``n_var`` are placeholders set per call.
+    args : tuple of int or bytes
+        Every argument; the first ``n_var`` are placeholders set per call. A
+        ``bytes`` argument is a struct passed by value (its bytes as the kernel's
+        parameter layout expects them, e.g. ``bytes(ctypes_structure)``).
     n_var : int
     """
 
-    __slots__ = ("_block", "_device", "_func", "_grid", "_params", "_ptrs", "_vals", "n_var")
+    __slots__ = (
+        "_block",
+        "_device",
+        "_func",
+        "_grid",
+        "_params",
+        "_ptrs",
+        "_structs",
+        "_vals",
+        "n_var",
+    )
 
     def __init__(
-        self, kernel: Any, device: int, grid: int, block: int, args: tuple[int, ...], n_var: int
+        self,
+        kernel: Any,
+        device: int,
+        grid: int,
+        block: int,
+        args: tuple[int | bytes, ...],
+        n_var: int,
     ):
         import cupy
 
         with cupy.cuda.Device(device):
             self._func = int(kernel.kernel.ptr)  # the CUfunction loaded on `device`
         n = len(args)
-        self._vals = (ctypes.c_uint64 * n)(*[int(a) & _U64 for a in args])
+        if any(isinstance(a, bytes) for a in args[:n_var]):
+            raise ValueError("per-call arguments must be integers")
+        self._vals = (ctypes.c_uint64 * n)(
+            *[0 if isinstance(a, bytes) else int(a) & _U64 for a in args]
+        )
         base = ctypes.addressof(self._vals)
-        self._ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        # struct arguments live in their own 8-byte aligned buffers
+        self._structs = {
+            i: (ctypes.c_uint64 * -(-len(a) // 8)).from_buffer_copy(a.ljust(-(-len(a) // 8) * 8))
+            for i, a in enumerate(args)
+            if isinstance(a, bytes)
+        }
+        addrs = [
+            ctypes.addressof(self._structs[i]) if i in self._structs else base + 8 * i
+            for i in range(n)
+        ]
+        self._ptrs = (ctypes.c_void_p * n)(*addrs)
         self._params = ctypes.addressof(self._ptrs)
         self._grid, self._block, self.n_var, self._device = grid, block, n_var, device
 

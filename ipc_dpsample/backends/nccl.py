@@ -845,7 +845,9 @@ class NcclBackend(Backend):
         return DpSampleError(f"rank {self.rank}: NCCL {what} failed: {exc}")
 
     # -- collectives -----------------------------------------------------------------------
-    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
+    def swap_batch_vocab(
+        self, x: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
+    ) -> Any:
         self._raise_if_error()
         handle = resolve_stream(info.kind, stream, self.device)
         capturing = self._begin(handle)
@@ -944,6 +946,7 @@ class NcclBackend(Backend):
         info: ArrayInfo,
         *,
         pad_bs: int,
+        bs: Any = None,
         stream: Any,
     ) -> tuple[Any, Any, Any]:
         kind = info.kind
@@ -966,7 +969,7 @@ class NcclBackend(Backend):
         )
 
     def gather_verify_logprobs(
-        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, stream: Any
+        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
     ) -> Any:
         rn = pad_bs // self.tp * self.cfg.num_tokens_per_req
         self._gather(OP_GATHER_LOGPROBS, info.kind, (info.ptr, rn, 0, 0, 0, 0), pad_bs, stream)

@@ -182,7 +182,9 @@ class TorchBackend(Backend):
         return got
 
     # -- collectives ---------------------------------------------------------------
-    def swap_batch_vocab(self, x: Any, info: ArrayInfo, *, pad_bs: int, stream: Any) -> Any:
+    def swap_batch_vocab(
+        self, x: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
+    ) -> Any:
         assert self._staging is not None and self.out_swap is not None
         cfg = self.cfg
         tp, n, vs = cfg.tp_size, cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size
@@ -207,6 +209,7 @@ class TorchBackend(Backend):
         info: ArrayInfo,
         *,
         pad_bs: int,
+        bs: Any = None,
         stream: Any,
     ) -> tuple[Any, Any, Any]:
         cfg = self.cfg
@@ -238,7 +241,7 @@ class TorchBackend(Backend):
         )
 
     def gather_verify_logprobs(
-        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, stream: Any
+        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
     ) -> Any:
         cfg = self.cfg
         tp, n = cfg.tp_size, cfg.num_tokens_per_req

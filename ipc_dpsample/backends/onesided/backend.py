@@ -1,0 +1,359 @@
+"""The one-sided backend: ops as prepared kernel launches on the arena.
+
+Protocol (``kernels/onesided.cu``, DESIGN.md "The one-sided protocol"):
+
+* op ``e`` (epochs start at 1, kept and advanced in device memory) uses receive
+  region and flag parity ``e & 1``; a peer can be at most one op ahead, so the
+  output of op ``e`` stays intact until this rank issues its next op;
+* swap: every CTA pushes its tiles of real rows into the destination's region,
+  fences and bumps a counter; the last CTA writes ``flags[e&1][rank] = e << 32 |
+  signature`` on every peer with release semantics and waits (acquire) for every
+  peer's flag;
+* gathers: one CTA; each 4-byte value of a real request travels with its epoch in
+  one 8-byte LL packet; the receiver spins until every real slot shows the epoch
+  and unpacks into persistent outputs;
+* argmax: every rank reduces its shard's real rows to (max, index, sum of exp)
+  partials and sends them as LL packets to the rows' owner, which combines them;
+* the signature carries op, dtype, ``pad_bs``, ``bs`` and the graph mode; every
+  spin is bounded by ``%globaltimer``; a timeout or a signature mismatch is
+  written to a host-mapped error block, marks the communicator broken, and is
+  raised by the host at the next call or :meth:`check`.
+
+Swap outputs: eagerly issued swaps return a view of the region the op wrote (no
+extra copy). Once any op has been captured into a CUDA graph the host can no
+longer know the device epoch's parity, and a captured consumer reads one fixed
+address; from then on every swap runs its ``graphed`` launches: an entry barrier
+(``dp_swap_enter``) and the push straight into one fixed output region, or with
+``IPC_DPSAMPLE_GRAPH_SWAP=copy`` the eager push and a copy into it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, NamedTuple
+
+from ...arrays import ArrayInfo, resolve_stream
+from ...config import CommConfig
+from ...envs import SwapTuning
+from ...errors import DpSampleError, PeerTimeoutError
+from ...group import HostGroup
+from ...kernel_cache import get_kernel
+from ...protocol import Call, Dtype, Op, divergence_message
+from ..base import Backend, RealRows
+from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
+from .arena import SOURCE, Connection, teardown
+from .contract import ERR_TIMEOUT, DpErrorBlock, pack_signature, unpack_signature
+
+__all__ = ["OnesidedBackend", "SwapPlan", "swap_block"]
+
+GATHER_BLOCK = 512
+_EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
+_KERNELS = ("dp_swap_push", "dp_gather_ll", "dp_swap_enter", "dp_swap_copy_out")
+
+
+def swap_block(chunk_bytes: int, tp: int, tuning: SwapTuning) -> int:
+    """Threads per swap CTA: the fewest warps that move a ``chunk_bytes`` chunk in one
+    round of ``unroll`` 16-byte loads per thread (at most ``tuning.block``, at least
+    ``tp``: thread t signals peer t). A 512-thread CTA moves 32 KiB per round; a
+    chunk of 25 KiB (V/tp fp32 rows at tp=8, V=152064, cut in three) would leave a
+    quarter of its lanes idle in every round."""
+    if not tuning.fit:
+        return max(tuning.block, 32 * -(-tp // 32))
+    warps = -(-chunk_bytes // (32 * 16 * tuning.unroll))
+    return max(32 * -(-tp // 32), min(tuning.block, 32 * warps))
+
+
+class SwapPlan(NamedTuple):
+    """The launches of one swap shape, each run in order on the op's stream.
+
+    ``eager``: the push into the ping-pong regions. ``graphed``: what a swap runs
+    once ops are captured in CUDA graphs (entry barrier + push into the fixed
+    output, or push + copy into it). Every launch takes a suffix of the per-call
+    values ``(input, bs_ptr, bs_host)``.
+    """
+
+    eager: tuple[PreparedLaunch, ...]
+    graphed: tuple[PreparedLaunch, ...]
+
+
+def _run(launches: tuple[PreparedLaunch, ...], handle: int, values: tuple[int, ...]) -> None:
+    for launch in launches:
+        launch(handle, *values[len(values) - launch.n_var :])
+
+
+class OnesidedBackend(Backend):
+    """One-sided CUDA IPC backend on a verified :class:`Connection`."""
+
+    name = "onesided"
+
+    def __init__(
+        self,
+        cfg: CommConfig,
+        group: HostGroup,
+        device: int,
+        conn: Connection,
+        tuning: SwapTuning,
+        single_buffer: bool = False,
+    ):
+        import cupy
+
+        self.cfg, self.group, self.device, self.tuning = cfg, group, device, tuning
+        self.conn = conn
+        self.arena = conn.arena
+        self.layout = lay = conn.arena.layout
+        self._parity_mask = 0 if single_buffer else 1
+        self._desc = bytes(
+            lay.descriptor(
+                peers=int(conn.table.data.ptr),
+                base=self.arena.ptr,
+                err=self.arena.err_host,
+                timeout_ns=int(cfg.timeout_s * 1e9),
+                rank=cfg.rank,
+                parity_mask=self._parity_mask,
+            )
+        )
+        opts = tuning.compile_options
+        self._kernels = {k: get_kernel(SOURCE, k, device, opts) for k in _KERNELS}
+        # cuFuncGetAttribute forces the (lazy) load now: never inside a stream capture,
+        # and never while a peer's kernel spins (loading may synchronise the context)
+        for kernel in self._kernels.values():
+            _ = kernel.max_threads_per_block
+        self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+        self._err = DpErrorBlock.from_address(self.arena.err_host)
+        self._err_code = ctypes.c_uint32.from_address(self.arena.err_host)
+        self._error: DpSampleError | None = None
+        self._logits_dtype: str | None = None
+        self._host_epoch = 0
+        self._graphed = False
+        self._views = ViewCache(device, owner=self)
+        self._swap_plans: dict[int, SwapPlan] = {}
+        self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
+        # ranks that are threads of one process must not share a stream
+        claim = getattr(group, "claim_stream", None) if cfg.tp_size > 1 else None
+        self._threads = claim is not None
+        self._guard = InFlightGuard(
+            device, cfg.rank, None if claim is None else (lambda h: claim(device, h))
+        )
+        self._runtime = cupy.cuda.runtime
+        if cfg.logits_dtype is not None:
+            self.prepare(cfg.logits_dtype)
+
+    # -- plumbing -----------------------------------------------------------------
+    def prepare(self, logits_dtype: str) -> None:
+        if Dtype.of(logits_dtype).itemsize > self.layout.itemsize:
+            raise ValueError(
+                f"logits_dtype={logits_dtype} needs {Dtype.of(logits_dtype).itemsize}-byte "
+                f"elements; the arena was sized for {self.layout.itemsize}"
+            )
+        if logits_dtype != self._logits_dtype:
+            self._logits_dtype = logits_dtype
+            self._swap_plans.clear()
+            self._views.drop(lambda key: isinstance(key, tuple) and key[0] == "swap")
+
+    def _begin(self, handle: int) -> bool:
+        """Raise a pending error, refuse a second stream while an op is in flight;
+        return True when the stream is being captured into a CUDA graph."""
+        if self._error is not None:
+            raise self._error
+        if self._err_code.value:
+            self.check()
+        if self._host_epoch >= _EPOCH_LIMIT:
+            self._error = DpSampleError(
+                f"this communicator issued {self._host_epoch} ops; its 32-bit epoch would wrap "
+                "into stale packets: close it and build a new one"
+            )
+            raise self._error
+        capturing = self._guard.begin(handle)
+        if capturing:
+            self._graphed = True
+        return capturing
+
+    def _issue(
+        self, launches: tuple[PreparedLaunch, ...], handle: int, values: tuple[int, ...], op: Op
+    ) -> None:
+        try:
+            _run(launches, handle, values)
+        except Exception as exc:
+            self._error = DpSampleError(
+                f"{op.api_name} launch failed ({exc}); close this communicator"
+            )
+            raise self._error from exc
+
+    def _sig(self, op: Op, dtype: str, pad_bs: int, graph: bool = False) -> int:
+        return pack_signature(op, Dtype.of(dtype), pad_bs, graph)
+
+    def _launch(self, name: str, grid: int, block: int, args: tuple[int | bytes, ...], n_var: int):
+        return PreparedLaunch(self._kernels[name], self.device, grid, block, args, n_var)
+
+    # -- swap ---------------------------------------------------------------------
+    def _swap_plan(self, pad_bs: int) -> SwapPlan:
+        plan = self._swap_plans.get(pad_bs)
+        if plan is not None:
+            return plan
+        cfg, lay, tun, desc = self.cfg, self.layout, self.tuning, self._desc
+        dtype = self._logits_dtype
+        assert dtype is not None
+        itemsize = Dtype.of(dtype).itemsize
+        rows = pad_bs // cfg.tp_size * cfg.num_tokens_per_req
+        shard_bytes = cfg.vocab_size // cfg.tp_size * itemsize
+        chunks = max(1, -(-shard_bytes // tun.chunk))
+        chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
+        grid = max(1, min(cfg.tp_size * rows * chunks, self._sm_count * tun.ctas_per_sm))
+        block = swap_block(chunk_bytes, cfg.tp_size, tun)
+
+        def push(region_off: int, parity_mask: int, graph: bool) -> PreparedLaunch:
+            sig = self._sig(Op.SWAP, dtype, pad_bs, graph)
+            args = (0, 0, 0, desc, pad_bs, shard_bytes, chunks, chunk_bytes, sig)
+            return self._launch("dp_swap_push", grid, block, (*args, region_off, parity_mask), 3)
+
+        eager = push(lay.swap_off, self._parity_mask, False)
+        if tun.graph_swap == "copy":
+            nbytes = rows * cfg.vocab_size * itemsize
+            copy_out = self._launch(
+                "dp_swap_copy_out",
+                max(1, min(1024, nbytes // 65536)),
+                tun.block,
+                (0, 0, desc, pad_bs, cfg.vocab_size * itemsize, self._parity_mask),
+                2,
+            )
+            graphed: tuple[PreparedLaunch, ...] = (eager, copy_out)
+        else:
+            sig = self._sig(Op.SWAP, dtype, pad_bs, True)
+            tp_threads = 32 * -(-cfg.tp_size // 32)
+            enter = self._launch("dp_swap_enter", 1, tp_threads, (0, 0, desc, pad_bs, sig), 2)
+            graphed = (enter, push(lay.swap_fixed_off, 0, True))
+        plan = self._swap_plans[pad_bs] = SwapPlan((eager,), graphed)
+        return plan
+
+    def swap_batch_vocab(
+        self, x: Any, info: ArrayInfo, *, pad_bs: int, bs: RealRows, stream: Any
+    ) -> Any:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        plan = self._swap_plan(pad_bs)
+        graphed = self._graphed
+        self._issue(
+            plan.graphed if graphed else plan.eager, handle, (info.ptr, bs.ptr, bs.bs), Op.SWAP
+        )
+        cfg, lay = self.cfg, self.layout
+        dtype = self._logits_dtype
+        assert dtype is not None
+        shape = (pad_bs // cfg.tp_size * cfg.num_tokens_per_req, cfg.vocab_size)
+        if graphed:
+            ptr, key = self.arena.ptr + lay.swap_fixed_off, ("swap", pad_bs, "fixed")
+        else:
+            self._host_epoch += 1
+            parity = self._host_epoch & self._parity_mask
+            ptr = self.arena.ptr + lay.swap_off + parity * lay.swap_region_bytes
+            key = ("swap", pad_bs, parity)
+        out = self._views.get(info.kind, key, ptr, shape, dtype)
+        self._guard.end(handle, capturing)
+        return out
+
+    # -- gathers ------------------------------------------------------------------
+    def _gather(
+        self,
+        kind: int,
+        ptrs: tuple[int, int, int],
+        info: ArrayInfo,
+        pad_bs: int,
+        bs: RealRows,
+        stream: Any,
+    ) -> None:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        op = Op.GATHER_OUTPUTS if kind == 0 else Op.GATHER_LOGPROBS
+        launch = self._gather_plans.get((kind, pad_bs))
+        if launch is None:
+            sig = self._sig(op, "int32", pad_bs)
+            args = (0, 0, 0, 0, 0, self._desc, pad_bs, kind, sig)
+            launch = self._launch("dp_gather_ll", 1, GATHER_BLOCK, args, 5)
+            self._gather_plans[(kind, pad_bs)] = launch
+        self._issue((launch,), handle, (*ptrs, bs.ptr, bs.bs), op)
+        if not self._graphed:
+            self._host_epoch += 1
+        self._guard.end(handle, capturing)
+
+    def gather_verify_outputs(
+        self,
+        predict: Any,
+        accept_index: Any,
+        accept_length: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, Any, Any]:
+        k = info.kind
+        ptrs = (info.ptr, array_ptr(accept_index, k), array_ptr(accept_length, k))
+        self._gather(0, ptrs, info, pad_bs, bs, stream)
+        base, lay, n = self.arena.ptr, self.layout, self.cfg.num_tokens_per_req
+        specs = (
+            (base + lay.out_off("predict"), (pad_bs, n), "int32"),
+            (base + lay.out_off("accept_index"), (pad_bs, n), "int32"),
+            (base + lay.out_off("accept_length"), (pad_bs,), "int32"),
+        )
+        return self._views.get_many(k, ("verify_outputs", pad_bs), specs)  # type: ignore[return-value]
+
+    def gather_verify_logprobs(
+        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: RealRows, stream: Any
+    ) -> Any:
+        self._gather(1, (info.ptr, 0, 0), info, pad_bs, bs, stream)
+        ptr = self.arena.ptr + self.layout.out_off("logprobs")
+        shape = (pad_bs, self.cfg.num_tokens_per_req)
+        return self._views.get(info.kind, ("logprobs", pad_bs), ptr, shape, "float32")
+
+    # -- tests --------------------------------------------------------------------
+    def poison_for_testing(self, byte: int = 0xFF) -> None:
+        """Fill every swap region and output with ``byte`` (tests call this between
+        ops, after a group barrier, to prove which output elements are written).
+        Synchronous."""
+        lay, rt, base = self.layout, self._runtime, self.arena.ptr
+        rt.memset(base + lay.swap_off, byte, 3 * lay.swap_region_bytes)
+        first = lay.out_offsets[0]
+        rt.memset(base + first, byte, lay.total_bytes - first)
+        rt.deviceSynchronize()
+
+    # -- errors and lifetime ------------------------------------------------------
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        e = self._err
+        if self._err_code.value == 0:
+            return
+        n = self.cfg.num_tokens_per_req
+        mine = unpack_signature(e.mine, n)
+        seen_epoch = e.seen >> 32
+        if e.code == ERR_TIMEOUT:
+            hint = (
+                " (ranks here are threads of one process: a rank that allocated, memset or "
+                "copied GPU memory, or first launched a not yet loaded kernel, while a peer's "
+                "op was in flight can stall it until this timeout; see "
+                "ipc_dpsample.testing.run_threads)"
+                if self._threads
+                else ""
+            )
+            self._error = PeerTimeoutError(
+                f"rank {e.rank}: peer rank {e.peer} did not take part in {mine.describe()} "
+                f"(epoch {e.expected}) within {self.cfg.timeout_s:g} s; last word seen from it: "
+                f"epoch {seen_epoch}. The peer died, stalled, or skipped the op; this "
+                "communicator is unusable: close it and build a new one" + hint,
+                rank=e.rank,
+                peer=e.peer,
+                op=Op.describe_code(mine.op),
+                expected_epoch=e.expected,
+                seen_epoch=seen_epoch,
+            )
+        else:
+            theirs: Call = unpack_signature(e.seen & 0xFFFFFFFF, n)
+            self._error = DpSampleError(
+                divergence_message(e.rank, e.peer, mine, theirs, "onesided")
+            )
+        raise self._error
+
+    def close(self) -> None:
+        self._views.clear()
+        c = self.conn
+        teardown(self.group, c.arena, c.opened, c.peer_recs, self.cfg.timeout_s)
+        c.table = None

@@ -1,0 +1,220 @@
+"""Every environment variable the library reads, in one registry, read lazily.
+
+Nothing is read at import time: :func:`get` parses a variable when a constructor
+asks for it, so a process can set variables after ``import ipc_dpsample`` and a bad
+value raises ``ValueError`` naming the variable and what it accepts, at the
+constructor, on the rank that has it (the agreement exchange then raises on every
+rank). README's environment table is checked against :data:`REGISTRY` by a test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["REGISTRY", "EnvVar", "SwapTuning", "get", "swap_tuning"]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: how to parse it, its default and what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"{value!r}; expected one of {allowed}")
+        return value
+
+    return parse
+
+
+def _int_in(lo: int, hi: int, multiple: int = 1) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+        if not lo <= value <= hi or value % multiple:
+            extra = f" and a multiple of {multiple}" if multiple > 1 else ""
+            raise ValueError(f"{value}; expected an integer in [{lo}, {hi}]{extra}")
+        return value
+
+    return parse
+
+
+def _one_of_ints(*allowed: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = _int_in(min(allowed), max(allowed))(raw)
+        if value not in allowed:
+            raise ValueError(f"{value}; expected one of {allowed}")
+        return value
+
+    return parse
+
+
+def _flag(raw: str) -> bool:
+    return raw.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+_BACKENDS = ("auto", "onesided", "nccl", "torch")
+
+REGISTRY: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "IPC_DPSAMPLE_BACKEND",
+            _choice(*_BACKENDS),
+            None,
+            "`auto` / `onesided` / `nccl` / `torch`: overrides the `backend=` argument",
+        ),
+        EnvVar(
+            "TOKENSPEED_DP_SAMPLING_BACKEND",
+            _choice(*_BACKENDS),
+            None,
+            "TokenSpeed compatibility: an alias of `IPC_DPSAMPLE_BACKEND` (which wins when "
+            "both are set)",
+        ),
+        EnvVar(
+            "NCCL_P2P_DISABLE",
+            _flag,
+            False,
+            "when true on any rank, `auto` does not pick the one-sided backend",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_GRAPH_SWAP",
+            _choice("barrier", "copy"),
+            "barrier",
+            "how swaps run once ops are captured in CUDA graphs: `barrier` (entry barrier, "
+            "push into one fixed output) or `copy` (eager push, then a copy into the fixed "
+            "output); every rank must use the same (checked at construction)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_BLOCK",
+            _int_in(32, 1024, 32),
+            512,
+            "tuning: most threads per swap CTA",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_CHUNK",
+            _int_in(16, 1 << 30, 16),
+            32768,
+            "tuning: bytes of a row one swap tile moves",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_CTAS_PER_SM",
+            _int_in(1, 32),
+            3,
+            "tuning: swap CTAs per SM (the grid's cap)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_UNROLL",
+            _one_of_ints(1, 2, 4, 8, 16),
+            4,
+            "tuning (compile time): 16-byte loads each swap thread issues before its stores",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_FIT",
+            _flag,
+            True,
+            "tuning: size swap CTAs to one round of loads per chunk (`0`: always "
+            "`IPC_DPSAMPLE_SWAP_BLOCK` threads)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_SWAP_STREAMING",
+            _flag,
+            False,
+            "tuning (compile time): streaming cache hints on the swap's 16-byte moves",
+        ),
+        EnvVar(
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+            _int_in(1, 32),
+            8,
+            "CUDA's: set to 32 for several ranks on one GPU (`run_threads` does it)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_HOST_ID",
+            _text,
+            "",
+            "test hook: overrides the host id, to simulate a multi-host group on one machine",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_TEST_FAIL_IPC",
+            _text,
+            "",
+            "test hook: `open:R` / `verify:R` makes rank R's IPC open / probe read-back fail",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_TEST_SINGLE_BUFFER",
+            _flag,
+            False,
+            "test hook: `1` forces one data region (the race the ping-pong design removes)",
+        ),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """The parsed value of registered variable ``name`` (its default when unset or
+    empty).
+
+    Raises
+    ------
+    ValueError
+        The value does not parse; the message names the variable and what it accepts.
+    KeyError
+        ``name`` is not registered (a programming error).
+    """
+    var = REGISTRY[name]
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SwapTuning:
+    """The one-sided swap's knobs, read once per backend (see BENCHMARKS.md for the
+    measurements behind the defaults)."""
+
+    block: int
+    chunk: int
+    ctas_per_sm: int
+    unroll: int
+    fit: bool
+    streaming: bool
+    graph_swap: str
+
+    @property
+    def compile_options(self) -> tuple[str, ...]:
+        """nvrtc options of the compile-time knobs."""
+        return (f"-DDP_SWAP_UNROLL={self.unroll}", f"-DDP_SWAP_STREAMING={int(self.streaming)}")
+
+
+def swap_tuning() -> SwapTuning:
+    """The current environment's :class:`SwapTuning` (raises ``ValueError`` on a bad
+    value)."""
+    return SwapTuning(
+        block=get("IPC_DPSAMPLE_SWAP_BLOCK"),
+        chunk=get("IPC_DPSAMPLE_SWAP_CHUNK"),
+        ctas_per_sm=get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM"),
+        unroll=get("IPC_DPSAMPLE_SWAP_UNROLL"),
+        fit=get("IPC_DPSAMPLE_SWAP_FIT"),
+        streaming=get("IPC_DPSAMPLE_SWAP_STREAMING"),
+        graph_swap=get("IPC_DPSAMPLE_GRAPH_SWAP"),
+    )
