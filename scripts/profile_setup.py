@@ -72,8 +72,8 @@ def main() -> None:
         gathers.append(res[0][1])
     times.sort()
     print(
-        f"construction tp={ns.tp} backend={ns.backend}: median {statistics.median(times) * 1e3:.1f} "
-        f"ms (min {times[0] * 1e3:.1f}, max {times[-1] * 1e3:.1f}, {len(times)} reps, slowest "
+        f"construction tp={ns.tp} backend={ns.backend}: "
+        f"median {statistics.median(times) * 1e3:.1f} ms (min {times[0] * 1e3:.1f}, max {times[-1] * 1e3:.1f}, {len(times)} reps, slowest "
         f"rank per rep); host all-gathers per construction: {sorted(set(gathers))}"
     )
 
