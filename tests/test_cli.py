@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ipc_dpsample import bench, cli, demo, doctor
 from ipc_dpsample.layout import reference_swap_batch_vocab
+from ipc_dpsample.tools import bench, cli, demo, doctor
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_BOX = demo.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
+from ..arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
 from .demo import OPS, Machine, detect_machine
 
 __all__ = [
@@ -708,7 +708,7 @@ class _Runner:
 
 class _CommRunner(_Runner):
     def __init__(self, ctx: _RankCtx, backend: str) -> None:
-        from .comm import DpSamplingComm
+        from ..comm import DpSamplingComm
 
         self.ctx = ctx
         cfg, lp = ctx.cfg, ctx.lp
@@ -847,7 +847,7 @@ class _NcclCupyRunner(_Runner):
             from cupy.cuda import nccl
         import cupy
 
-        from .backends.nccl import normalize_unique_id, unique_id_for_cupy
+        from ..backends.nccl import normalize_unique_id, unique_id_for_cupy
 
         self.ctx = ctx
         self.nccl = nccl
@@ -1053,7 +1053,7 @@ def bench_rank(
     """
     import torch
 
-    from .group import TorchStoreGroup
+    from ..group import TorchStoreGroup
 
     cuda = lp.device == "cuda"
     if cuda:
@@ -1202,7 +1202,7 @@ class _NullCtx:
 # -- driver -------------------------------------------------------------------------
 def run_launch(cfg: BenchConfig, lp: LaunchPlan) -> tuple[list[dict[str, Any]], str]:
     """Run one launch; returns its rows and an error text ("" when the ranks ran)."""
-    from .testing import RankFailure, run_ranks, run_threads
+    from ..testing import RankFailure, run_ranks, run_threads
 
     if lp.reason:
         return make_rows(cfg, lp, None), ""

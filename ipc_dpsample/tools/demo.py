@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
-from .config import BACKENDS
-from .layout import (
+from ..arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
+from ..config import BACKENDS
+from ..layout import (
     reference_gather_verify_logprobs,
     reference_gather_verify_outputs,
     reference_swap_batch_vocab,
@@ -132,7 +132,7 @@ def detect_machine() -> Machine:
     """
     import warnings
 
-    from .identity import cupy_device_count, nccl_available
+    from ..identity import cupy_device_count, nccl_available
 
     onesided_error = _import_error("ipc_dpsample.backends.onesided")
     nccl_error = _import_error("ipc_dpsample.backends.nccl")
@@ -509,7 +509,7 @@ def demo_rank(
     """
     import torch
 
-    from .comm import DpSamplingComm
+    from ..comm import DpSamplingComm
 
     cuda = plan.device == "cuda"
     stream = None
@@ -655,7 +655,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 240.0) -> list[dict[str, Any]
     ipc_dpsample.testing.RankFailure
         A rank raised or did not finish within ``timeout_s`` (tracebacks included).
     """
-    from .testing import run_ranks, run_threads
+    from ..testing import run_ranks, run_threads
 
     if plan.launch == "threads":
         shared = [make_round(plan, k) for k in range(plan.rounds)]
@@ -759,7 +759,7 @@ def run(ns: argparse.Namespace) -> int:
     """Run ``ipc-dpsample demo``; 0 when every output matched the reference."""
     from dataclasses import replace
 
-    from .testing import RankFailure
+    from ..testing import RankFailure
 
     if ns.iters < 1:
         print(f"ipc-dpsample demo: --iters {ns.iters} must be >= 1", file=sys.stderr)

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from .. import __version__
 from .demo import DemoPlan, Machine, detect_machine, mismatches, run_demo
 
 __all__ = [
@@ -403,7 +403,7 @@ def shm_bytes(path: str = "/dev/shm") -> int | None:
 
 def collect_host() -> dict[str, Any]:
     """Host name, platform, CPUs, boot id, /dev/shm size and a container hint."""
-    from .identity import boot_id
+    from ..identity import boot_id
 
     return {
         "hostname": socket.gethostname(),
@@ -417,7 +417,7 @@ def collect_host() -> dict[str, Any]:
 
 def collect_gpus(machine: Machine) -> dict[str, Any]:
     """CUDA devices: index, name, UUID, compute capability, memory, PCI bus id."""
-    from .identity import gpu_uuid
+    from ..identity import gpu_uuid
 
     error = None
     try:
@@ -879,8 +879,8 @@ def find_hazards(
 def selection_facts(report: Mapping[str, Any], env: Mapping[str, str]) -> tuple[Any, str]:
     """The :class:`~ipc_dpsample.select.Facts` of a group made of every local GPU
     (or one CPU rank), from the collected report; and a note on the request."""
-    from .config import BACKENDS
-    from .select import Facts
+    from ..config import BACKENDS
+    from ..select import Facts
 
     note = ""
     requested = (env.get("IPC_DPSAMPLE_BACKEND") or "auto").strip().lower()
@@ -917,8 +917,8 @@ def selection_facts(report: Mapping[str, Any], env: Mapping[str, str]) -> tuple[
 
 def collect_selection(report: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """What ``backend="auto"`` (or ``IPC_DPSAMPLE_BACKEND``) would choose, and why."""
-    from .errors import BackendUnavailableError
-    from .select import select_backend
+    from ..errors import BackendUnavailableError
+    from ..select import select_backend
 
     facts, note = selection_facts(report, env)
     try:
@@ -1044,7 +1044,7 @@ def plan_selftests(machine: Machine) -> list[SelfTest]:
 
 def run_selftest(test: SelfTest, *, timeout_s: float = 180.0) -> dict[str, Any]:
     """Run one self-test; never raises."""
-    from .testing import RankFailure
+    from ..testing import RankFailure
 
     entry: dict[str, Any] = {
         "name": test.name,
