@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 
 from ipc_dpsample.layout import reference_swap_batch_vocab
-from ipc_dpsample.tools import bench, cli, demo, doctor
+from ipc_dpsample.tools import bench, cli, common, demo, doctor
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_BOX = demo.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
-ONE_GPU = demo.Machine(torch_gpus=1, cupy_gpus=1, onesided=True, nccl_backend=True, cupy_nccl=True)
-ONE_GPU_NO_ONESIDED = demo.Machine(
+CPU_BOX = common.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
+ONE_GPU = common.Machine(
+    torch_gpus=1, cupy_gpus=1, onesided=True, nccl_backend=True, cupy_nccl=True
+)
+ONE_GPU_NO_ONESIDED = common.Machine(
     torch_gpus=1, cupy_gpus=1, onesided_error="ImportError: no kernels", cupy_nccl=True
 )
-EIGHT_GPUS = demo.Machine(
+EIGHT_GPUS = common.Machine(
     torch_gpus=8, cupy_gpus=8, onesided=True, nccl_backend=True, cupy_nccl=True
 )
 
@@ -169,32 +171,33 @@ def test_plan_demo_rejects_what_the_machine_cannot_place() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         demo.plan_demo(CPU_BOX, world_size=0)
     with pytest.raises(ValueError, match="multiple of 4"):
-        demo.DemoPlan(world=4, launch="processes", device="cpu", pad_bs=6)
+        common.DemoPlan(world=4, launch="processes", device="cpu", pad_bs=6)
 
 
 def test_bits_equal_is_bit_exact() -> None:
     a = np.array([1.0, -0.0, np.nan], dtype=np.float32)
-    assert demo.bits_equal(a, a.copy()) == ""
-    assert "1 of 3 elements differ" in demo.bits_equal(a, np.array([1.0, 0.0, np.nan], np.float32))
-    assert "shape" in demo.bits_equal(a, a[:2])
+    assert common.bits_equal(a, a.copy()) == ""
+    other = np.array([1.0, 0.0, np.nan], np.float32)
+    assert "1 of 3 elements differ" in common.bits_equal(a, other)
+    assert "shape" in common.bits_equal(a, a[:2])
     b = np.arange(6, dtype=np.uint16).reshape(2, 3)
     c = b.copy()
     c[1, 2] ^= 1
-    msg = demo.bits_equal(c, b)
+    msg = common.bits_equal(c, b)
     assert "first at (1, 2)" in msg and "got 0x4" in msg and "expected 0x5" in msg
 
 
 def test_make_round_is_seeded_random_and_matches_the_reference() -> None:
-    plan = demo.DemoPlan(
+    plan = common.DemoPlan(
         world=3, launch="processes", device="cpu", pad_bs=6, num_tokens=2, vocab=30,
         dtype="bfloat16", iters=1,
     )  # fmt: skip
-    full = demo.make_round(plan, 0)
-    mine = demo.make_round(plan, 0, [2])[0]
-    assert demo.bits_equal(mine.logits, full[2].logits) == ""
-    assert demo.bits_equal(mine.expect_swap, full[2].expect_swap) == ""
-    other = demo.make_round(plan, 1, [2])[0]
-    assert demo.bits_equal(other.logits, mine.logits) != ""
+    full = common.make_round(plan, 0)
+    mine = common.make_round(plan, 0, [2])[0]
+    assert common.bits_equal(mine.logits, full[2].logits) == ""
+    assert common.bits_equal(mine.expect_swap, full[2].expect_swap) == ""
+    other = common.make_round(plan, 1, [2])[0]
+    assert common.bits_equal(other.logits, mine.logits) != ""
     for d in full:
         assert d.logits.dtype == np.uint16 and d.logits.shape == (12, 10)
         assert np.count_nonzero(d.logits) > 0.95 * d.logits.size
@@ -203,10 +206,10 @@ def test_make_round_is_seeded_random_and_matches_the_reference() -> None:
         [d.logits for d in full], tp=3, num_tokens_per_req=2, pad_bs=6
     )
     for r in range(3):
-        assert demo.bits_equal(full[r].expect_swap, expected[r]) == ""
+        assert common.bits_equal(full[r].expect_swap, expected[r]) == ""
 
 
-def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[str, Any]]:
+def _fake_demo_results(plan: common.DemoPlan, bad_rank: int | None) -> list[dict[str, Any]]:
     out = []
     for r in range(plan.world):
         ops = {
@@ -217,7 +220,7 @@ def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[s
                 if r == bad_rank and op == "gather_verify_logprobs"
                 else [],
             }
-            for op in demo.OPS
+            for op in common.OPS
         }
         out.append(
             {"rank": r, "backend": "torch", "explain": "torch: test", "device": "cpu", "ops": ops}
@@ -228,7 +231,7 @@ def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[s
 def test_demo_report_and_exit_code(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan = demo.DemoPlan(world=2, launch="processes", device="cpu", iters=5, note="test")
+    plan = common.DemoPlan(world=2, launch="processes", device="cpu", iters=5, note="test")
     good = _fake_demo_results(plan, None)
     assert demo.slowest_rank_times(good, "swap_batch_vocab") == [2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
     table = demo.format_report(plan, good)
@@ -249,12 +252,62 @@ def test_demo_report_and_exit_code(
 
     from ipc_dpsample.testing import RankFailure
 
-    def fail(p: demo.DemoPlan, **kw: Any) -> Any:
+    def fail(p: common.DemoPlan, **kw: Any) -> Any:
         raise RankFailure("--- rank 1 failed ---\nboom")
 
     monkeypatch.setattr(demo, "run_demo", fail)
     assert demo.run(ns) == 1
     assert "boom" in capsys.readouterr().err
+
+
+_TWO_TRACEBACKS = (
+    '--- rank 1 failed ---\nTraceback (most recent call last):\n  File "x.py", line 3\n'
+    "ValueError: local_logits shape (96, 100) != expected (96, 128)\n"
+    '--- rank 3 failed ---\nTraceback (most recent call last):\n  File "y.py", line 9\n'
+    "ipc_dpsample.errors.PeerTimeoutError: rank 3 timed out waiting for rank 1\n"
+    "--- ranks [0, 2] still running after 60 s ---"
+)
+
+
+def test_failure_summary_names_ranks_and_the_first_error() -> None:
+    line = common.failure_summary(_TWO_TRACEBACKS)
+    assert line == (
+        "ranks 1, 3 failed (ranks [0, 2] still running after 60 s): "
+        "ValueError: local_logits shape (96, 100) != expected (96, 128)"
+    )
+    assert common.failure_summary("--- rank 0 failed ---\nRuntimeError: x") == (
+        "rank 0 failed: RuntimeError: x"
+    )
+    hung = "--- ranks [1] did not finish within 5 s (killed) ---"
+    assert common.failure_summary(hung) == "ranks [1] did not finish within 5 s (killed)"
+
+
+def test_demo_rank_failure_prints_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from ipc_dpsample.testing import RankFailure
+
+    def fail(p: common.DemoPlan, **kw: Any) -> Any:
+        raise RankFailure(_TWO_TRACEBACKS)
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    parser = cli.build_parser()
+    assert demo.run(parser.parse_args(["demo", "--cpu", "--world-size", "2"])) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "ranks 1, 3 failed" in err and "ValueError: local_logits shape" in err
+    assert "Traceback" not in err and "PeerTimeoutError" not in err
+    (log,) = tmp_path.glob("ipc-dpsample-demo-*.log")
+    assert str(log) in err and log.read_text() == _TWO_TRACEBACKS
+
+    assert demo.run(parser.parse_args(["demo", "--cpu", "--world-size", "2", "--verbose"])) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("ipc-dpsample demo: FAILED")
+    assert err.count("Traceback") == 2 and "PeerTimeoutError" in err
 
 
 # -- doctor: schema, hazards, selection, verdict -------------------------------------
@@ -723,13 +776,13 @@ def test_bench_check_data_matches_the_reference(tp: int, dtype: str) -> None:
     pad_bs, n, vocab = 4 * tp, 3, 10 * tp
     inputs = [bench.swap_input(7, s, tp, pad_bs, n, vocab, dtype, "cpu") for s in range(tp)]
     ref = reference_swap_batch_vocab(
-        [demo.to_numpy(x) for x in inputs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
+        [common.to_numpy(x) for x in inputs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
     )
     for r in range(tp):
         exp = bench.swap_expected(7, r, tp, pad_bs, n, vocab, dtype, "cpu")
-        assert demo.bits_equal(demo.to_numpy(exp), ref[r]) == ""
+        assert common.bits_equal(common.to_numpy(exp), ref[r]) == ""
         assert bench._same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
-    assert np.count_nonzero(demo.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
+    assert np.count_nonzero(common.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
 
 
 def test_bench_rank_in_process_agrees_on_failures() -> None:
@@ -796,7 +849,7 @@ def test_demo_end_to_end() -> None:
     assert elapsed < 60
     out = proc.stdout
     assert "OK: every output is bit-identical to the NumPy reference" in out
-    for op in demo.OPS:
+    for op in common.OPS:
         assert op in out
     assert "NO (" not in out
 

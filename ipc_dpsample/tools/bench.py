@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
-from .demo import OPS, Machine, detect_machine
+from .common import OPS, Machine, detect_machine
 
 __all__ = [
     "BACKEND_CHOICES",

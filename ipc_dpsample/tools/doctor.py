@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from .demo import DemoPlan, Machine, detect_machine, mismatches, run_demo
+from .common import DemoPlan, Machine, detect_machine
+from .demo import mismatches, run_demo
 
 __all__ = [
     "SCHEMA",
