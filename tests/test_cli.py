@@ -20,6 +20,7 @@ import pytest
 
 from ipc_dpsample.layout import reference_swap_batch_vocab
 from ipc_dpsample.tools import bench, cli, common, demo, doctor
+from ipc_dpsample.tools.doctor.collect import _cuda_version
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_BOX = common.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
@@ -373,7 +374,7 @@ def _cpu_report() -> dict[str, Any]:
 
 def _finish(report: dict[str, Any]) -> dict[str, Any]:
     ok, text = doctor.verdict(report)
-    report["verdict"] = {"ok": ok, "level": doctor._level(ok, report), "text": text}
+    report["verdict"] = {"ok": ok, "level": doctor.level(ok, report), "text": text}
     return report
 
 
@@ -562,9 +563,9 @@ def test_collect_without_gpus_is_well_formed() -> None:
 def test_version_formatting() -> None:
     assert doctor.nccl_version_string(22805) == "2.28.5"
     assert doctor.nccl_version_string(2708) == "2.7.8"
-    assert doctor._cuda_version(12090) == "12.9"
-    assert doctor._cuda_version(13000) == "13.0"
-    assert doctor._cuda_version(0) is None
+    assert _cuda_version(12090) == "12.9"
+    assert _cuda_version(13000) == "13.0"
+    assert _cuda_version(0) is None
 
 
 def test_human_output_puts_the_verdict_first() -> None:
