@@ -20,6 +20,8 @@ import pytest
 
 from ipc_dpsample.layout import reference_swap_batch_vocab
 from ipc_dpsample.tools import bench, cli, common, demo, doctor
+from ipc_dpsample.tools.bench import measure as bench_measure
+from ipc_dpsample.tools.bench import runners as bench_runners
 from ipc_dpsample.tools.doctor.collect import _cuda_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -782,7 +784,7 @@ def test_bench_check_data_matches_the_reference(tp: int, dtype: str) -> None:
     for r in range(tp):
         exp = bench.swap_expected(7, r, tp, pad_bs, n, vocab, dtype, "cpu")
         assert common.bits_equal(common.to_numpy(exp), ref[r]) == ""
-        assert bench._same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
+        assert bench_runners.same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
     assert np.count_nonzero(common.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
 
 
@@ -806,7 +808,7 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
     assert all(r["status"] == "skipped" for r in torch_rows)
     assert "torch.distributed" in torch_rows[0]["note"] or "process" in torch_rows[0]["note"]
 
-    class Flaky(bench._Runner):
+    class Flaky(bench_runners.Runner):
         def __init__(self, rank: int) -> None:
             self.rank = rank
 
@@ -816,11 +818,11 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
             return (lambda: None), None
 
     def body(rank: int, world: int, group: Any) -> Any:
-        ctx = bench._RankCtx(rank, group, group, None, None, cfg, lp)
+        ctx = bench_runners.RankCtx(rank, group, group, None, None, cfg, lp)
         samples: dict[Any, Any] = {}
         key = ("x", "swap_batch_vocab", "float32", 4, "eager")
-        first = bench._bench_point(ctx, Flaky(rank), key, samples)
-        second = bench._bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
+        first = bench_measure.bench_point(ctx, Flaky(rank), key, samples)
+        second = bench_measure.bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
         return first, second, samples[key]
 
     out = run_threads(2, body, timeout_s=60)
