@@ -879,3 +879,63 @@ def test_bench_cpu_end_to_end(tmp_path: Path) -> None:
     assert len(doc["rows"]) == len(rows) and doc["meta"]["config"]["tp"] == [2]
     _assert_png_has_content(out / "bench.png")
     assert "wrote" in proc.stdout
+
+
+def test_bench_help_lists_every_allowed_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    text = text.replace("- ", "-")  # argparse may wrap a long choice list
+    for values in (bench.BACKEND_CHOICES, bench.BASELINES, bench.MODES, ("bf16", "fp16", "fp32")):
+        assert "{" + ",".join(values) + "}" in text, values
+    for op in common.OPS:
+        assert op in text.replace(" ", ""), op
+
+
+def test_plot_legend_tells_the_torch_backend_from_torch_distributed() -> None:
+    from ipc_dpsample.tools.bench import output
+
+    ours = output.series_label("torch", "eager", "float32", show_dtype=False)
+    raw = output.series_label("torch_dist", "eager", "float32", show_dtype=False)
+    assert ours == "ipc_dpsample torch backend eager"
+    assert raw == "raw torch.distributed eager"
+    assert output.series_label("onesided", "graph", "bfloat16", show_dtype=True).endswith(
+        "graph bfloat16"
+    )
+    assert set(output.IMPL_LABELS) == set(bench.BACKEND_CHOICES) | set(bench.BASELINES)
+
+
+def test_plot_labels_pad_bs_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    seen: list[str] = []
+    real = Axes.annotate
+
+    def spy(self: Axes, text: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(text)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "annotate", spy)
+    bench.write_plot(_rows(), tmp_path / "b.png")
+    # 3 impls x 2 pad_bs points, each labelled
+    assert sorted(seen) == sorted(["pad_bs=8", "pad_bs=64"] * 3)
+
+
+def test_bench_without_matplotlib_writes_csv_json_and_says_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rows = _rows()
+    monkeypatch.setattr(bench, "run_launch", lambda cfg, lp: (rows, ""))
+    cfg = bench.BenchConfig(tp=(2,), pad_bs=(8, 64), out=str(tmp_path / "out"), cpu=True)
+    assert bench.run_bench(cfg, CPU_BOX) == 0
+    captured = capsys.readouterr()
+    assert (tmp_path / "out" / "bench.csv").exists()
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(doc["rows"]) == len(rows)
+    assert not (tmp_path / "out" / "bench.png").exists()
+    assert "pip install 'ipc-dpsample[bench]'" in captured.err
+    assert "bench.csv" in captured.out and "bench.png" not in captured.out

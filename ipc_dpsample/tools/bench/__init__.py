@@ -67,6 +67,7 @@ from .config import (
 )
 from .measure import bench_rank
 from .output import (
+    PLOT_HINT,
     format_rows,
     make_rows,
     slowest,
@@ -172,11 +173,11 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
         "errors": errors,
         "ratio_definition": "vs_<baseline> = baseline median / median (above 1: faster)",
     }
-    paths = [
-        write_csv(rows, out / "bench.csv"),
-        write_json(rows, meta, out / "bench.json"),
-        write_plot(rows, out / "bench.png"),
-    ]
+    paths = [write_csv(rows, out / "bench.csv"), write_json(rows, meta, out / "bench.json")]
+    try:
+        paths.append(write_plot(rows, out / "bench.png"))
+    except ImportError as exc:  # matplotlib is an extra: measure and write without it
+        print(f"no plot ({exc}); for bench.png: {PLOT_HINT}", file=sys.stderr)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     measured = [r for r in rows if r["status"] == "ok"]
     wrong = [r for r in rows if r["verified"] is False]

@@ -198,28 +198,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad-bs", type=parse_int_list, help=f"padded batch sizes ({dflt('pad_bs')})")
     p.add_argument("--num-tokens", type=int, default=4, help="N, rows per request (default 4)")
     p.add_argument("--vocab", type=int, help=f"communication vocab V ({dflt('vocab')})")
-    p.add_argument("--dtype", type=parse_dtype_list, help=f"logits dtypes ({dflt('dtypes')})")
+    p.add_argument(
+        "--dtype",
+        type=parse_dtype_list,
+        help=f"logits dtypes, from {{bf16,fp16,fp32}} ({dflt('dtypes')})",
+    )
     p.add_argument("--tp", type=parse_int_list, help=f"ranks per group ({dflt('tp')})")
     p.add_argument(
         "--backends",
         type=choice_list(BACKEND_CHOICES),
         default=BACKEND_CHOICES,
-        help="backends to measure (default: all; unavailable ones are reported skipped)",
+        help=f"backends to measure, comma-separated from {{{','.join(BACKEND_CHOICES)}}} "
+        "(default: all; unavailable ones are reported skipped)",
     )
     p.add_argument(
         "--baselines",
         type=choice_list(BASELINES),
         default=BASELINES,
-        help="baselines measured in the same run (default: all that can run)",
+        help=f"baselines measured in the same run, from {{{','.join(BASELINES)}}} "
+        "(default: all that can run)",
     )
     p.add_argument(
         "--mode",
         type=choice_list(MODES),
         default=MODES,
-        help="eager calls and/or CUDA-graph replays (default: both; graph needs CUDA)",
+        help=f"eager calls and/or CUDA-graph replays, from {{{','.join(MODES)}}} "
+        "(default: both; graph needs CUDA)",
     )
     p.add_argument(
-        "--ops", type=choice_list(OPS), default=OPS, help="ops to measure (default: all)"
+        "--ops",
+        type=choice_list(OPS),
+        default=OPS,
+        help=f"ops to measure, from {{{','.join(OPS)}}} (default: all)",
     )
     p.add_argument("--iters", type=int, default=50, help="timed samples per point (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per point (default 10)")

@@ -18,9 +18,12 @@ from ..common import OPS
 from .config import BASELINES, COLUMNS, BenchConfig, LaunchPlan, op_bytes, points
 
 __all__ = [
+    "IMPL_LABELS",
+    "PLOT_HINT",
     "add_ratios",
     "format_rows",
     "make_rows",
+    "series_label",
     "slowest",
     "summarize",
     "write_csv",
@@ -179,13 +182,38 @@ _IMPL_COLORS = {
     "torch_dist": "tab:brown",
 }
 _DTYPE_STYLES = ("-", "--", ":", "-.")
+#: Legend names: this package's backends apart from the raw libraries they stand on.
+IMPL_LABELS = {
+    "auto": "ipc_dpsample auto",
+    "onesided": "ipc_dpsample onesided",
+    "nccl": "ipc_dpsample nccl backend",
+    "torch": "ipc_dpsample torch backend",
+    "copy": "copy limit",
+    "nccl_cupy": "raw NCCL (cupy.cuda.nccl)",
+    "torch_dist": "raw torch.distributed",
+}
+#: What to install for the plot.
+PLOT_HINT = "pip install 'ipc-dpsample[bench]'"
+
+
+def series_label(impl: str, mode: str, dtype: str, *, show_dtype: bool) -> str:
+    """The legend entry of one line: ``"ipc_dpsample torch backend eager"`` vs
+    ``"raw torch.distributed eager"`` (the dtype too when a panel has several)."""
+    return f"{IMPL_LABELS.get(impl, impl)} {mode}" + (f" {dtype}" if show_dtype else "")
 
 
 def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
     """Median latency against bytes per rank, log-log: one panel per (op, tp), one
     line per (impl, mode, dtype) through its pad_bs points; a color per impl, a
-    marker per mode, a line style per dtype, baselines thinner. Draws on an Agg
-    canvas directly (no pyplot state, no display needed)."""
+    marker per mode, a line style per dtype, baselines thinner; every point is
+    labelled with its pad_bs. Draws on an Agg canvas directly (no pyplot state, no
+    display needed).
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed (:data:`PLOT_HINT` says how to get it).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
@@ -199,11 +227,12 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
     for i, op in enumerate(ops):
         for j, (tp, launch) in enumerate(tps):
             ax = grid[i][j]
-            series: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+            series: dict[tuple[str, str, str], list[tuple[float, float, int]]] = {}
             for r in ok:
                 if r["op"] == op and int(r["tp"]) == tp and r["launch"] == launch:
                     key = (str(r["impl"]), str(r["mode"]), str(r["dtype"]))
-                    series.setdefault(key, []).append((float(r["bytes"]), float(r["median_us"])))
+                    point = (float(r["bytes"]), float(r["median_us"]), int(r["pad_bs"]))
+                    series.setdefault(key, []).append(point)
             dtypes = sorted({k[2] for k in series})
             for (impl, mode, dtype), pts in sorted(series.items()):
                 pts.sort()
@@ -215,8 +244,17 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
                     markersize=4,
                     linestyle=_DTYPE_STYLES[dtypes.index(dtype) % len(_DTYPE_STYLES)],
                     linewidth=1.0 if impl in BASELINES else 1.8,
-                    label=f"{impl} {mode}" + (f" {dtype}" if len(dtypes) > 1 else ""),
+                    label=series_label(impl, mode, dtype, show_dtype=len(dtypes) > 1),
                 )
+                for x, y, pad_bs in pts:
+                    ax.annotate(
+                        f"pad_bs={pad_bs}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(3, 3),
+                        fontsize=6,
+                        color=_IMPL_COLORS.get(impl, "black"),
+                    )
             if series:
                 ax.set_xscale("log")
                 ax.set_yscale("log")
