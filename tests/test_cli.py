@@ -939,3 +939,25 @@ def test_bench_without_matplotlib_writes_csv_json_and_says_how(
     assert not (tmp_path / "out" / "bench.png").exists()
     assert "pip install 'ipc-dpsample[bench]'" in captured.err
     assert "bench.csv" in captured.out and "bench.png" not in captured.out
+
+
+def test_bench_gated_and_bs_options() -> None:
+    p = cli.build_parser()
+    ns = p.parse_args(["bench", "--gated", "--tp", "8,1", "--pad-bs", "64,256", "--bs", "50,256"])
+    cfg = bench.config_from_args(ns, gpu_machine=True)
+    assert cfg.gated and cfg.bs == (50, 256) and cfg.real_bs(64) == 50
+    assert bench.config_from_args(p.parse_args(["bench"]), gpu_machine=True).real_bs(8) is None
+    plans = bench.plan_launches(cfg, EIGHT_GPUS)
+    assert [(lp.tp, lp.launch, lp.gated) for lp in plans] == [
+        (8, "threads", True),
+        (1, "threads", True),
+    ]
+    assert "gated" in bench.plan_launches(cfg, CPU_BOX)[0].reason
+    with pytest.raises(ValueError, match="bs="):
+        bench.BenchConfig(pad_bs=(64,), bs=(65,))
+    with pytest.raises(ValueError, match="bs="):
+        bench.BenchConfig(pad_bs=(8, 64), bs=(8,))
+    rows = bench.make_rows(cfg, plans[0], None)
+    swap = [r for r in rows if r["op"] == "swap_batch_vocab"]
+    assert {(r["pad_bs"], r["bs"]) for r in swap} == {(64, 50), (256, 256)}
+    assert all(r["launch"] == "threads gated" for r in rows)

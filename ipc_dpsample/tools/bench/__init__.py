@@ -65,7 +65,7 @@ from .config import (
     plan_launches,
     points,
 )
-from .measure import bench_rank
+from .measure import Gate, bench_rank
 from .output import (
     PLOT_HINT,
     format_rows,
@@ -116,6 +116,7 @@ def run_launch(cfg: BenchConfig, lp: LaunchPlan) -> tuple[list[dict[str, Any]], 
 
     if lp.reason:
         return make_rows(cfg, lp, None), ""
+    gate = Gate() if lp.gated else None
     try:
         results = spawn(
             lp.launch,  # type: ignore[arg-type]
@@ -124,8 +125,16 @@ def run_launch(cfg: BenchConfig, lp: LaunchPlan) -> tuple[list[dict[str, Any]], 
             bench_rank,
             lp,
             cfg,
+            gate,
             timeout_s=cfg.timeout_s,
         )
+        early = sum(int(r.get("gate_early", 0)) for r in results)
+        if early:
+            print(
+                f"tp={lp.tp}: the gate opened before every rank had issued in {early} "
+                "samples (their time includes launch skew)",
+                file=sys.stderr,
+            )
     except RankFailure as exc:
         failed = dataclasses.replace(lp, reason=f"ranks failed: {str(exc).strip()[-300:]}")
         rows = make_rows(cfg, failed, None)

@@ -56,6 +56,7 @@ COLUMNS: tuple[str, ...] = (
     "op",
     "dtype",
     "pad_bs",
+    "bs",
     "num_tokens",
     "vocab",
     "mode",
@@ -109,6 +110,16 @@ class BenchConfig:
     verify: bool = True
     seed: int = 0
     timeout_s: float = 1800.0
+    #: Rank threads on one GPU whose streams wait at one CUDA event until every
+    #: rank has issued a sample: the time is the device's, not launch skew.
+    gated: bool = False
+    #: Real batch size per ``pad_bs`` (same length), passed as ``bs=`` to the swap;
+    #: empty: every row moves and no ``bs`` is passed.
+    bs: tuple[int, ...] = ()
+
+    def real_bs(self, pad_bs: int) -> int | None:
+        """The ``bs`` paired with ``pad_bs``, or None when ``--bs`` was not given."""
+        return self.bs[self.pad_bs.index(pad_bs)] if self.bs else None
 
     def __post_init__(self) -> None:
         for name in ("pad_bs", "dtypes", "tp", "backends", "modes", "ops"):
@@ -136,6 +147,14 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise ValueError(f"{name} {bad} not in {allowed}")
+        if self.bs and (
+            len(self.bs) != len(self.pad_bs)
+            or any(not 0 < b <= p for b, p in zip(self.bs, self.pad_bs, strict=True))
+        ):
+            raise ValueError(
+                f"bs={self.bs} must pair one real batch size 1..pad_bs with each "
+                f"pad_bs={self.pad_bs}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
 
@@ -244,6 +263,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="skip the bit-exact check before timing"
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per tp (default 1800)")
+    p.add_argument(
+        "--gated",
+        action="store_true",
+        help="rank threads on GPU 0 whose streams wait at one CUDA event until every rank "
+        "issued the sample, so the time is device time (one-sided backend and copy only)",
+    )
+    p.add_argument(
+        "--bs",
+        type=parse_int_list,
+        default=None,
+        help="real batch sizes, one per --pad-bs value, passed to the swap as bs= "
+        "(default: none, every row moves)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfig:
@@ -274,6 +306,8 @@ def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfi
         cpu=bool(ns.cpu),
         verify=not ns.no_verify,
         timeout_s=float(ns.timeout),
+        gated=bool(ns.gated),
+        bs=tuple(ns.bs or ()),
     )
 
 
@@ -306,6 +340,7 @@ class LaunchPlan:
     pad_bs: tuple[int, ...]
     modes: tuple[str, ...]
     reason: str = ""
+    gated: bool = False
 
 
 def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
@@ -321,6 +356,8 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
             reason = f"no pad_bs in {cfg.pad_bs} is a multiple of tp={tp}"
         skipped: list[tuple[str, str]] = []
         modes = cfg.modes
+        if cfg.gated and not cuda:
+            reason = "--gated needs a CUDA GPU (rank threads sharing GPU 0)"
         if not cuda:
             launch, device = "processes", "cpu"
             for b in cfg.backends:
@@ -331,7 +368,7 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
             if "graph" in modes:
                 skipped.append(("graph", "CUDA graphs need CUDA (CPU sweep)"))
                 modes = tuple(m for m in modes if m != "graph")
-        elif tp <= machine.gpus:
+        elif tp <= machine.gpus and not cfg.gated:
             launch, device = "processes", "cuda"
             if "nccl_cupy" in cfg.baselines and not (machine.cupy_nccl and machine.cupy_gpus):
                 skipped.append(("nccl_cupy", "cupy.cuda.nccl cannot load libnccl here"))
@@ -365,7 +402,9 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
         )
         if not reason and not any(i in BACKEND_CHOICES for i in impls):
             reason = "none of the requested backends can run here"
-        plans.append(LaunchPlan(tp, launch, device, impls, tuple(skipped), pads, modes, reason))
+        plans.append(
+            LaunchPlan(tp, launch, device, impls, tuple(skipped), pads, modes, reason, cfg.gated)
+        )
     return plans
 
 

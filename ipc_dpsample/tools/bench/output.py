@@ -73,7 +73,7 @@ def make_rows(
     rows = []
     base = {
         "tp": lp.tp,
-        "launch": lp.launch,
+        "launch": lp.launch + (" gated" if lp.gated else ""),
         "device": lp.device,
         "num_tokens": cfg.num_tokens,
         "vocab": cfg.vocab,
@@ -86,6 +86,7 @@ def make_rows(
             row: dict[str, Any] = dict.fromkeys(COLUMNS)
             row.update(base)
             row.update(op=op, dtype=dtype, pad_bs=pad_bs, mode=mode, impl=impl, kind=kind)
+            row["bs"] = cfg.real_bs(pad_bs) if op == "swap_batch_vocab" else None
             row["bytes"] = op_bytes(op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab)
             key = (impl, op, dtype, pad_bs, mode)
             if lp.reason or impl in skip_reason or rank_results is None:

@@ -122,16 +122,23 @@ class CommRunner(Runner):
 
         c, cfg, r, tp, dev = self.comm, self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp, self.ctx.device
         n, s = cfg.num_tokens, cfg.seed
+        bs = cfg.real_bs(pad_bs)
+        kw: dict[str, int] = {} if bs is None else {"bs": bs}  # only when --bs is given
         if op == "swap_batch_vocab":
             c.prepare_verify_outputs(dtype)
             x = swap_input(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev)
 
             def swap() -> Any:
-                return c.swap_batch_vocab(x, pad_bs=pad_bs)
+                return c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)
 
             def check_swap() -> str:
                 exp = swap_expected(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev)
-                return same_bits(self.ctx.settle(swap()), exp)
+                got = self.ctx.settle(swap())
+                if bs is None:
+                    return same_bits(got, exp)
+                # rows of real requests only: global request r*R + i is real when < bs
+                real = max(0, min(pad_bs // tp, bs - r * (pad_bs // tp))) * n
+                return same_bits(got[:real], exp[:real])
 
             return swap, check_swap
         rq = pad_bs // tp
@@ -304,6 +311,7 @@ class RankCtx:
     cfg: BenchConfig
     lp: LaunchPlan
     keep: Any = None  # the CUDA graph being timed
+    gate: Any = None  # measure.Gate of a gated launch
 
     def sync(self) -> None:
         if self.stream is not None:
