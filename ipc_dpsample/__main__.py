@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":  # spawned ranks re-import this module as __mp_main__
     sys.exit(main())

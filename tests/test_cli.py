@@ -18,16 +18,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ipc_dpsample import bench, cli, demo, doctor
 from ipc_dpsample.layout import reference_swap_batch_vocab
+from ipc_dpsample.tools import bench, cli, common, demo, doctor
+from ipc_dpsample.tools.bench import measure as bench_measure
+from ipc_dpsample.tools.bench import runners as bench_runners
+from ipc_dpsample.tools.doctor.collect import _cuda_version
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_BOX = demo.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
-ONE_GPU = demo.Machine(torch_gpus=1, cupy_gpus=1, onesided=True, nccl_backend=True, cupy_nccl=True)
-ONE_GPU_NO_ONESIDED = demo.Machine(
+CPU_BOX = common.Machine(torch_gpus=0, cupy_gpus=0, cpu_count=2)
+ONE_GPU = common.Machine(
+    torch_gpus=1, cupy_gpus=1, onesided=True, nccl_backend=True, cupy_nccl=True
+)
+ONE_GPU_NO_ONESIDED = common.Machine(
     torch_gpus=1, cupy_gpus=1, onesided_error="ImportError: no kernels", cupy_nccl=True
 )
-EIGHT_GPUS = demo.Machine(
+EIGHT_GPUS = common.Machine(
     torch_gpus=8, cupy_gpus=8, onesided=True, nccl_backend=True, cupy_nccl=True
 )
 
@@ -169,32 +174,33 @@ def test_plan_demo_rejects_what_the_machine_cannot_place() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         demo.plan_demo(CPU_BOX, world_size=0)
     with pytest.raises(ValueError, match="multiple of 4"):
-        demo.DemoPlan(world=4, launch="processes", device="cpu", pad_bs=6)
+        common.DemoPlan(world=4, launch="processes", device="cpu", pad_bs=6)
 
 
 def test_bits_equal_is_bit_exact() -> None:
     a = np.array([1.0, -0.0, np.nan], dtype=np.float32)
-    assert demo.bits_equal(a, a.copy()) == ""
-    assert "1 of 3 elements differ" in demo.bits_equal(a, np.array([1.0, 0.0, np.nan], np.float32))
-    assert "shape" in demo.bits_equal(a, a[:2])
+    assert common.bits_equal(a, a.copy()) == ""
+    other = np.array([1.0, 0.0, np.nan], np.float32)
+    assert "1 of 3 elements differ" in common.bits_equal(a, other)
+    assert "shape" in common.bits_equal(a, a[:2])
     b = np.arange(6, dtype=np.uint16).reshape(2, 3)
     c = b.copy()
     c[1, 2] ^= 1
-    msg = demo.bits_equal(c, b)
+    msg = common.bits_equal(c, b)
     assert "first at (1, 2)" in msg and "got 0x4" in msg and "expected 0x5" in msg
 
 
 def test_make_round_is_seeded_random_and_matches_the_reference() -> None:
-    plan = demo.DemoPlan(
+    plan = common.DemoPlan(
         world=3, launch="processes", device="cpu", pad_bs=6, num_tokens=2, vocab=30,
         dtype="bfloat16", iters=1,
     )  # fmt: skip
-    full = demo.make_round(plan, 0)
-    mine = demo.make_round(plan, 0, [2])[0]
-    assert demo.bits_equal(mine.logits, full[2].logits) == ""
-    assert demo.bits_equal(mine.expect_swap, full[2].expect_swap) == ""
-    other = demo.make_round(plan, 1, [2])[0]
-    assert demo.bits_equal(other.logits, mine.logits) != ""
+    full = common.make_round(plan, 0)
+    mine = common.make_round(plan, 0, [2])[0]
+    assert common.bits_equal(mine.logits, full[2].logits) == ""
+    assert common.bits_equal(mine.expect_swap, full[2].expect_swap) == ""
+    other = common.make_round(plan, 1, [2])[0]
+    assert common.bits_equal(other.logits, mine.logits) != ""
     for d in full:
         assert d.logits.dtype == np.uint16 and d.logits.shape == (12, 10)
         assert np.count_nonzero(d.logits) > 0.95 * d.logits.size
@@ -203,10 +209,10 @@ def test_make_round_is_seeded_random_and_matches_the_reference() -> None:
         [d.logits for d in full], tp=3, num_tokens_per_req=2, pad_bs=6
     )
     for r in range(3):
-        assert demo.bits_equal(full[r].expect_swap, expected[r]) == ""
+        assert common.bits_equal(full[r].expect_swap, expected[r]) == ""
 
 
-def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[str, Any]]:
+def _fake_demo_results(plan: common.DemoPlan, bad_rank: int | None) -> list[dict[str, Any]]:
     out = []
     for r in range(plan.world):
         ops = {
@@ -217,7 +223,7 @@ def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[s
                 if r == bad_rank and op == "gather_verify_logprobs"
                 else [],
             }
-            for op in demo.OPS
+            for op in common.OPS
         }
         out.append(
             {"rank": r, "backend": "torch", "explain": "torch: test", "device": "cpu", "ops": ops}
@@ -228,7 +234,7 @@ def _fake_demo_results(plan: demo.DemoPlan, bad_rank: int | None) -> list[dict[s
 def test_demo_report_and_exit_code(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan = demo.DemoPlan(world=2, launch="processes", device="cpu", iters=5, note="test")
+    plan = common.DemoPlan(world=2, launch="processes", device="cpu", iters=5, note="test")
     good = _fake_demo_results(plan, None)
     assert demo.slowest_rank_times(good, "swap_batch_vocab") == [2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
     table = demo.format_report(plan, good)
@@ -249,12 +255,62 @@ def test_demo_report_and_exit_code(
 
     from ipc_dpsample.testing import RankFailure
 
-    def fail(p: demo.DemoPlan, **kw: Any) -> Any:
+    def fail(p: common.DemoPlan, **kw: Any) -> Any:
         raise RankFailure("--- rank 1 failed ---\nboom")
 
     monkeypatch.setattr(demo, "run_demo", fail)
     assert demo.run(ns) == 1
     assert "boom" in capsys.readouterr().err
+
+
+_TWO_TRACEBACKS = (
+    '--- rank 1 failed ---\nTraceback (most recent call last):\n  File "x.py", line 3\n'
+    "ValueError: local_logits shape (96, 100) != expected (96, 128)\n"
+    '--- rank 3 failed ---\nTraceback (most recent call last):\n  File "y.py", line 9\n'
+    "ipc_dpsample.errors.PeerTimeoutError: rank 3 timed out waiting for rank 1\n"
+    "--- ranks [0, 2] still running after 60 s ---"
+)
+
+
+def test_failure_summary_names_ranks_and_the_first_error() -> None:
+    line = common.failure_summary(_TWO_TRACEBACKS)
+    assert line == (
+        "ranks 1, 3 failed (ranks [0, 2] still running after 60 s): "
+        "ValueError: local_logits shape (96, 100) != expected (96, 128)"
+    )
+    assert common.failure_summary("--- rank 0 failed ---\nRuntimeError: x") == (
+        "rank 0 failed: RuntimeError: x"
+    )
+    hung = "--- ranks [1] did not finish within 5 s (killed) ---"
+    assert common.failure_summary(hung) == "ranks [1] did not finish within 5 s (killed)"
+
+
+def test_demo_rank_failure_prints_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from ipc_dpsample.testing import RankFailure
+
+    def fail(p: common.DemoPlan, **kw: Any) -> Any:
+        raise RankFailure(_TWO_TRACEBACKS)
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    parser = cli.build_parser()
+    assert demo.run(parser.parse_args(["demo", "--cpu", "--world-size", "2"])) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "ranks 1, 3 failed" in err and "ValueError: local_logits shape" in err
+    assert "Traceback" not in err and "PeerTimeoutError" not in err
+    (log,) = tmp_path.glob("ipc-dpsample-demo-*.log")
+    assert str(log) in err and log.read_text() == _TWO_TRACEBACKS
+
+    assert demo.run(parser.parse_args(["demo", "--cpu", "--world-size", "2", "--verbose"])) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("ipc-dpsample demo: FAILED")
+    assert err.count("Traceback") == 2 and "PeerTimeoutError" in err
 
 
 # -- doctor: schema, hazards, selection, verdict -------------------------------------
@@ -320,7 +376,7 @@ def _cpu_report() -> dict[str, Any]:
 
 def _finish(report: dict[str, Any]) -> dict[str, Any]:
     ok, text = doctor.verdict(report)
-    report["verdict"] = {"ok": ok, "level": doctor._level(ok, report), "text": text}
+    report["verdict"] = {"ok": ok, "level": doctor.level(ok, report), "text": text}
     return report
 
 
@@ -509,9 +565,9 @@ def test_collect_without_gpus_is_well_formed() -> None:
 def test_version_formatting() -> None:
     assert doctor.nccl_version_string(22805) == "2.28.5"
     assert doctor.nccl_version_string(2708) == "2.7.8"
-    assert doctor._cuda_version(12090) == "12.9"
-    assert doctor._cuda_version(13000) == "13.0"
-    assert doctor._cuda_version(0) is None
+    assert _cuda_version(12090) == "12.9"
+    assert _cuda_version(13000) == "13.0"
+    assert _cuda_version(0) is None
 
 
 def test_human_output_puts_the_verdict_first() -> None:
@@ -723,13 +779,13 @@ def test_bench_check_data_matches_the_reference(tp: int, dtype: str) -> None:
     pad_bs, n, vocab = 4 * tp, 3, 10 * tp
     inputs = [bench.swap_input(7, s, tp, pad_bs, n, vocab, dtype, "cpu") for s in range(tp)]
     ref = reference_swap_batch_vocab(
-        [demo.to_numpy(x) for x in inputs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
+        [common.to_numpy(x) for x in inputs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
     )
     for r in range(tp):
         exp = bench.swap_expected(7, r, tp, pad_bs, n, vocab, dtype, "cpu")
-        assert demo.bits_equal(demo.to_numpy(exp), ref[r]) == ""
-        assert bench._same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
-    assert np.count_nonzero(demo.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
+        assert common.bits_equal(common.to_numpy(exp), ref[r]) == ""
+        assert bench_runners.same_bits(exp, torch.from_numpy(ref[r]).view(exp.dtype)) == ""
+    assert np.count_nonzero(common.to_numpy(inputs[0])) > 0.95 * inputs[0].numel()
 
 
 def test_bench_rank_in_process_agrees_on_failures() -> None:
@@ -752,7 +808,7 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
     assert all(r["status"] == "skipped" for r in torch_rows)
     assert "torch.distributed" in torch_rows[0]["note"] or "process" in torch_rows[0]["note"]
 
-    class Flaky(bench._Runner):
+    class Flaky(bench_runners.Runner):
         def __init__(self, rank: int) -> None:
             self.rank = rank
 
@@ -762,11 +818,11 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
             return (lambda: None), None
 
     def body(rank: int, world: int, group: Any) -> Any:
-        ctx = bench._RankCtx(rank, group, group, None, None, cfg, lp)
+        ctx = bench_runners.RankCtx(rank, group, group, None, None, cfg, lp)
         samples: dict[Any, Any] = {}
         key = ("x", "swap_batch_vocab", "float32", 4, "eager")
-        first = bench._bench_point(ctx, Flaky(rank), key, samples)
-        second = bench._bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
+        first = bench_measure.bench_point(ctx, Flaky(rank), key, samples)
+        second = bench_measure.bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
         return first, second, samples[key]
 
     out = run_threads(2, body, timeout_s=60)
@@ -796,7 +852,7 @@ def test_demo_end_to_end() -> None:
     assert elapsed < 60
     out = proc.stdout
     assert "OK: every output is bit-identical to the NumPy reference" in out
-    for op in demo.OPS:
+    for op in common.OPS:
         assert op in out
     assert "NO (" not in out
 
@@ -823,3 +879,85 @@ def test_bench_cpu_end_to_end(tmp_path: Path) -> None:
     assert len(doc["rows"]) == len(rows) and doc["meta"]["config"]["tp"] == [2]
     _assert_png_has_content(out / "bench.png")
     assert "wrote" in proc.stdout
+
+
+def test_bench_help_lists_every_allowed_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    text = text.replace("- ", "-")  # argparse may wrap a long choice list
+    for values in (bench.BACKEND_CHOICES, bench.BASELINES, bench.MODES, ("bf16", "fp16", "fp32")):
+        assert "{" + ",".join(values) + "}" in text, values
+    for op in common.OPS:
+        assert op in text.replace(" ", ""), op
+
+
+def test_plot_legend_tells_the_torch_backend_from_torch_distributed() -> None:
+    from ipc_dpsample.tools.bench import output
+
+    ours = output.series_label("torch", "eager", "float32", show_dtype=False)
+    raw = output.series_label("torch_dist", "eager", "float32", show_dtype=False)
+    assert ours == "ipc_dpsample torch backend eager"
+    assert raw == "raw torch.distributed eager"
+    assert output.series_label("onesided", "graph", "bfloat16", show_dtype=True).endswith(
+        "graph bfloat16"
+    )
+    assert set(output.IMPL_LABELS) == set(bench.BACKEND_CHOICES) | set(bench.BASELINES)
+
+
+def test_plot_labels_pad_bs_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    seen: list[str] = []
+    real = Axes.annotate
+
+    def spy(self: Axes, text: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(text)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "annotate", spy)
+    bench.write_plot(_rows(), tmp_path / "b.png")
+    # 3 impls x 2 pad_bs points, each labelled
+    assert sorted(seen) == sorted(["pad_bs=8", "pad_bs=64"] * 3)
+
+
+def test_bench_without_matplotlib_writes_csv_json_and_says_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rows = _rows()
+    monkeypatch.setattr(bench, "run_launch", lambda cfg, lp: (rows, ""))
+    cfg = bench.BenchConfig(tp=(2,), pad_bs=(8, 64), out=str(tmp_path / "out"), cpu=True)
+    assert bench.run_bench(cfg, CPU_BOX) == 0
+    captured = capsys.readouterr()
+    assert (tmp_path / "out" / "bench.csv").exists()
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(doc["rows"]) == len(rows)
+    assert not (tmp_path / "out" / "bench.png").exists()
+    assert "pip install 'ipc-dpsample[bench]'" in captured.err
+    assert "bench.csv" in captured.out and "bench.png" not in captured.out
+
+
+def test_bench_gated_and_bs_options() -> None:
+    p = cli.build_parser()
+    ns = p.parse_args(["bench", "--gated", "--tp", "8,1", "--pad-bs", "64,256", "--bs", "50,256"])
+    cfg = bench.config_from_args(ns, gpu_machine=True)
+    assert cfg.gated and cfg.bs == (50, 256) and cfg.real_bs(64) == 50
+    assert bench.config_from_args(p.parse_args(["bench"]), gpu_machine=True).real_bs(8) is None
+    plans = bench.plan_launches(cfg, EIGHT_GPUS)
+    assert [(lp.tp, lp.launch, lp.gated) for lp in plans] == [
+        (8, "threads", True),
+        (1, "threads", True),
+    ]
+    assert "gated" in bench.plan_launches(cfg, CPU_BOX)[0].reason
+    with pytest.raises(ValueError, match="bs="):
+        bench.BenchConfig(pad_bs=(64,), bs=(65,))
+    with pytest.raises(ValueError, match="bs="):
+        bench.BenchConfig(pad_bs=(8, 64), bs=(8,))
+    rows = bench.make_rows(cfg, plans[0], None)
+    swap = [r for r in rows if r["op"] == "swap_batch_vocab"]
+    assert {(r["pad_bs"], r["bs"]) for r in swap} == {(64, 50), (256, 256)}
+    assert all(r["launch"] == "threads gated" for r in rows)

@@ -26,8 +26,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from . import __version__
-from .launch import LAUNCHER_VARS
+from .. import __version__
+from ..launch import LAUNCHER_VARS
 
 __all__ = ["build_parser", "launcher_variables", "main"]
 
@@ -71,7 +71,7 @@ def _detach_from_launcher() -> str | None:
     Returns an error message when it is (``torchrun``/``mpirun`` with several
     ranks); a launcher world of one is forgotten, so spawned ranks start clean.
     """
-    from .launch import launched_world
+    from ..launch import launched_world
 
     world = launched_world()
     if world is None or os.environ.get("IPC_DPSAMPLE_SPAWNED") == "1":

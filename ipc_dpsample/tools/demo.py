@@ -12,218 +12,58 @@ How ranks are laid out (:func:`plan_demo`):
   (``run_threads``, default 4) when the one-sided backend imports, else one rank;
 * no GPU (or ``--cpu``): 4 processes over gloo on the CPU.
 
-This module also holds what the other tools share: machine detection
-(:func:`detect_machine`), seeded data with its reference (:func:`make_round`),
-bit-exact comparison (:func:`bits_equal`) and the rank body (:func:`demo_rank`)
-that ``ipc-dpsample doctor`` reuses for its self-tests.
+Shared pieces (machine detection, the plan, seeded data, spawning ranks) live in
+:mod:`ipc_dpsample.tools.common`; the rank body :func:`demo_rank` is reused by
+``ipc-dpsample doctor`` for its self-tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
-from .config import BACKENDS
-from .layout import (
-    reference_gather_verify_logprobs,
-    reference_gather_verify_outputs,
-    reference_swap_batch_vocab,
+from ..arrays import normalize_dtype
+from ..config import BACKENDS
+from .common import (
+    CPU_SHAPE,
+    GPU_SHAPE,
+    OPS,
+    DemoPlan,
+    Machine,
+    RankData,
+    bits_equal,
+    detect_machine,
+    failure_summary,
+    make_round,
+    rank_device,
+    spawn,
+    stream_scope,
+    to_numpy,
+    to_torch,
 )
 
 __all__ = [
-    "OPS",
-    "DemoPlan",
-    "Machine",
-    "RankData",
-    "bits_equal",
+    "add_arguments",
     "demo_rank",
-    "detect_machine",
     "format_report",
-    "make_round",
+    "mismatches",
     "plan_demo",
+    "run",
     "run_demo",
+    "slowest_rank_times",
 ]
 
-#: The three collectives, in the order a verify step calls them.
-OPS: tuple[str, ...] = ("swap_batch_vocab", "gather_verify_outputs", "gather_verify_logprobs")
-
-Launch = Literal["processes", "threads"]
-DeviceKind = Literal["cpu", "cuda"]
-
-#: Shapes of one verify step on a GPU machine (Qwen-class vocabulary, 3 drafts + 1).
-GPU_SHAPE = {"pad_bs": 64, "num_tokens": 4, "vocab": 152064, "dtype": "bfloat16"}
-#: Scaled down for a CPU machine (gloo moves the bytes; a 2-core box finishes fast).
-CPU_SHAPE = {"pad_bs": 16, "num_tokens": 4, "vocab": 32000, "dtype": "float32"}
 #: Ranks on a CPU-only machine and as threads on a single GPU.
 DEFAULT_CPU_RANKS = 4
 DEFAULT_THREAD_RANKS = 4
-
-
-# -- machine ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Machine:
-    """What this machine can run, probed once without side effects on devices.
-
-    Attributes
-    ----------
-    torch_gpus : int
-        CUDA devices torch sees (0 unless ``torch.cuda.is_available()``).
-    cupy_gpus : int
-        CUDA devices CuPy can drive (0 when CuPy raises ``CUDARuntimeError``).
-    onesided : bool
-        ``ipc_dpsample.backends.onesided`` imports.
-    onesided_error : str
-        Why it does not, when it does not.
-    nccl_backend : bool
-        ``ipc_dpsample.backends.nccl`` imports and ``cupy.cuda.nccl`` loads.
-    nccl_error : str
-    cupy_nccl : bool
-        ``cupy.cuda.nccl`` loads libnccl (the NCCL baseline of the benchmark).
-    cpu_count : int
-    """
-
-    torch_gpus: int
-    cupy_gpus: int
-    onesided: bool = False
-    onesided_error: str = ""
-    nccl_backend: bool = False
-    nccl_error: str = ""
-    cupy_nccl: bool = False
-    cpu_count: int = 1
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the tools use: torch's count (the demo and bench move torch tensors)."""
-        return self.torch_gpus
-
-
-def torch_gpu_count() -> int:
-    """CUDA devices torch can use; 0 on a CPU build, without a driver or on error."""
-    try:
-        import torch
-
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
-def _import_error(module: str) -> str:
-    try:
-        __import__(module)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def detect_machine() -> Machine:
-    """Probe GPUs and optional backends.
-
-    CuPy's ``CUDARuntimeError`` (no GPU, driver too old) counts as zero GPUs
-    (:func:`ipc_dpsample.identity.cupy_device_count`).
-    """
-    import warnings
-
-    from .identity import cupy_device_count, nccl_available
-
-    onesided_error = _import_error("ipc_dpsample.backends.onesided")
-    nccl_error = _import_error("ipc_dpsample.backends.nccl")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CuPy warns when libnccl is missing
-        has_nccl = nccl_available()
-    if not nccl_error and not has_nccl:
-        nccl_error = "cupy.cuda.nccl cannot load libnccl (pip install nvidia-nccl-cu12)"
-    return Machine(
-        torch_gpus=torch_gpu_count(),
-        cupy_gpus=cupy_device_count(),
-        onesided=not onesided_error,
-        onesided_error=onesided_error,
-        nccl_backend=not nccl_error,
-        nccl_error=nccl_error,
-        cupy_nccl=has_nccl,
-        cpu_count=os.cpu_count() or 1,
-    )
-
-
-# -- plan ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DemoPlan:
-    """One demo run: who the ranks are and what they move.
-
-    Raises
-    ------
-    ValueError
-        On shapes the communicator would reject (the message names the fix).
-    """
-
-    world: int
-    launch: Launch
-    device: DeviceKind
-    backend: str = "auto"
-    pad_bs: int = CPU_SHAPE["pad_bs"]
-    num_tokens: int = CPU_SHAPE["num_tokens"]
-    vocab: int = CPU_SHAPE["vocab"]
-    dtype: str = CPU_SHAPE["dtype"]
-    iters: int = 20
-    #: Rounds verified with fresh data before timing (ping-pong regions see both parities).
-    rounds: int = 3
-    seed: int = 20261202
-    timeout_s: float = 30.0
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        if self.world < 1:
-            raise ValueError(f"world={self.world} must be >= 1")
-        if self.launch not in ("processes", "threads"):
-            raise ValueError(f"launch={self.launch!r}; expected 'processes' or 'threads'")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}; expected 'cpu' or 'cuda'")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
-        if self.pad_bs < self.world or self.pad_bs % self.world:
-            raise ValueError(f"pad_bs={self.pad_bs} must be a positive multiple of {self.world}")
-        if self.vocab < self.world or self.vocab % self.world:
-            raise ValueError(f"vocab={self.vocab} must be a positive multiple of {self.world}")
-        if self.dtype not in LOGITS_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; expected one of {LOGITS_DTYPES}")
-        if self.iters < 1 or self.rounds < 1 or self.num_tokens < 1:
-            raise ValueError("iters, rounds and num_tokens must be >= 1")
-
-    @property
-    def reqs_per_rank(self) -> int:
-        """``R = pad_bs / world``."""
-        return self.pad_bs // self.world
-
-    @property
-    def vocab_shard(self) -> int:
-        """``V / world``."""
-        return self.vocab // self.world
-
-    def op_shapes(self, op: str) -> tuple[str, str, str]:
-        """``(input per rank, output per rank, dtype)`` as text, for the table."""
-        r, n, v = self.reqs_per_rank, self.num_tokens, self.vocab
-        if op == "swap_batch_vocab":
-            return f"[{self.pad_bs * n}, {self.vocab_shard}]", f"[{r * n}, {v}]", self.dtype
-        if op == "gather_verify_outputs":
-            return f"3 x [{r}, {n}]", f"3 x [{self.pad_bs}, {n}]", "int32"
-        return f"[{r}, {n}]", f"[{self.pad_bs}, {n}]", "float32"
-
-    def op_bytes(self, op: str) -> int:
-        """Bytes each rank receives in ``op`` (its output's size)."""
-        r, n = self.reqs_per_rank, self.num_tokens
-        if op == "swap_batch_vocab":
-            return r * n * self.vocab * ITEMSIZE[self.dtype]
-        if op == "gather_verify_outputs":
-            return self.pad_bs * (2 * n + 1) * 4
-        return self.pad_bs * n * 4
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -334,115 +174,6 @@ def _sized(*, shape: dict[str, Any], **fields: Any) -> DemoPlan:
     )
 
 
-# -- data ---------------------------------------------------------------------------
-@dataclass
-class RankData:
-    """One rank's inputs of one round and what it must receive.
-
-    Arrays are NumPy; bfloat16 travels as its ``uint16`` bit pattern.
-    """
-
-    logits: np.ndarray  # [pad_bs * N, V / world]
-    predict: np.ndarray  # int32 [R, N]
-    accept_index: np.ndarray  # int32 [R, N]
-    accept_length: np.ndarray  # int32 [R]
-    logprobs: np.ndarray  # float32 [R, N]
-    expect_swap: np.ndarray  # [R * N, V]
-    expect_outputs: tuple[np.ndarray, np.ndarray, np.ndarray]
-    expect_logprobs: np.ndarray
-
-
-def _random_logits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(4.0)
-    if dtype == "float32":
-        return values
-    if dtype == "float16":
-        return values.astype(np.float16)
-    return (values.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 bits (truncated)
-
-
-def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) -> list[RankData]:
-    """Random inputs of every rank for one round and the reference outputs.
-
-    Every rank derives the same data from ``(plan.seed, round_)``, so a process
-    rank can build the whole round and keep only its own part.
-
-    Parameters
-    ----------
-    plan : DemoPlan
-    round_ : int
-    ranks : sequence of int or None
-        Ranks to return (all when None); the result is indexed like ``ranks``.
-    """
-    w, r, n, v = plan.world, plan.reqs_per_rank, plan.num_tokens, plan.vocab
-    rng = np.random.default_rng([plan.seed, round_])
-    logits = [_random_logits(rng, (plan.pad_bs * n, v // w), plan.dtype) for _ in range(w)]
-    predict = [rng.integers(1, v, (r, n), dtype=np.int32) for _ in range(w)]
-    accept_index = [rng.integers(1, plan.pad_bs * n, (r, n), dtype=np.int32) for _ in range(w)]
-    accept_length = [rng.integers(1, n + 1, (r,), dtype=np.int32) for _ in range(w)]
-    logprobs = [-rng.exponential(2.0, (r, n)).astype(np.float32) - 1e-3 for _ in range(w)]
-    swapped = reference_swap_batch_vocab(logits, tp=w, num_tokens_per_req=n, pad_bs=plan.pad_bs)
-    outputs = reference_gather_verify_outputs(predict, accept_index, accept_length)
-    gathered_lp = reference_gather_verify_logprobs(logprobs)
-    return [
-        RankData(
-            logits=logits[k],
-            predict=predict[k],
-            accept_index=accept_index[k],
-            accept_length=accept_length[k],
-            logprobs=logprobs[k],
-            expect_swap=swapped[k],
-            expect_outputs=outputs,
-            expect_logprobs=gathered_lp,
-        )
-        for k in (range(w) if ranks is None else ranks)
-    ]
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    """Unsigned integer view of the same bytes (NaN-safe, -0.0 != 0.0)."""
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
-    return np.ascontiguousarray(a).view(unsigned)
-
-
-def bits_equal(got: np.ndarray, expected: np.ndarray) -> str:
-    """``""`` when ``got`` and ``expected`` hold the same bits, else what differs."""
-    if got.shape != expected.shape:
-        return f"shape {got.shape} != expected {expected.shape}"
-    if got.dtype.itemsize != expected.dtype.itemsize:
-        return f"itemsize {got.dtype.itemsize} != expected {expected.dtype.itemsize}"
-    g, e = _bits(got), _bits(expected)
-    bad = np.flatnonzero(g.reshape(-1) != e.reshape(-1))
-    if bad.size == 0:
-        return ""
-    first = np.unravel_index(int(bad[0]), got.shape)
-    return (
-        f"{bad.size} of {g.size} elements differ; first at {tuple(int(i) for i in first)}: "
-        f"got {int(g.reshape(-1)[bad[0]]):#x}, expected {int(e.reshape(-1)[bad[0]]):#x}"
-    )
-
-
-def to_torch(a: np.ndarray, dtype: str, device: Any) -> Any:
-    """A torch tensor on ``device`` holding ``a`` (``dtype`` is the canonical name)."""
-    import torch
-
-    if dtype == "bfloat16":
-        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.to(device)
-
-
-def to_numpy(t: Any) -> np.ndarray:
-    """Host copy of a torch tensor's bits (bfloat16 as ``uint16``)."""
-    import torch
-
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
 # -- rank body ----------------------------------------------------------------------
 @dataclass
 class _OpRecord:
@@ -507,20 +238,10 @@ def demo_rank(
         ``rank``, ``backend``, ``explain``, ``device`` and ``ops``: per op
         ``times_s``, ``checks`` (outputs compared) and ``mismatches``.
     """
-    import torch
-
-    from .comm import DpSamplingComm
+    from ..comm import DpSamplingComm
 
     cuda = plan.device == "cuda"
-    stream = None
-    if cuda:
-        if plan.launch == "threads":
-            torch.cuda.set_device(0)
-        device: Any = torch.device("cuda", torch.cuda.current_device())
-        stream = torch.cuda.Stream(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+    device, stream = rank_device(plan.device, plan.launch, world)
     records = {op: _OpRecord() for op in OPS}
 
     def data(round_: int) -> RankData:
@@ -528,8 +249,7 @@ def demo_rank(
             return shared[round_][rank]
         return make_round(plan, round_, [rank])[0]
 
-    ctx: Any = torch.cuda.stream(stream) if cuda else _NullCtx()
-    with ctx:
+    with stream_scope(stream):
         comm = DpSamplingComm(
             tp_size=world,
             rank=rank,
@@ -638,14 +358,6 @@ def _time_ops(
         records[op].times_s = timer(fn, plan.iters)
 
 
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 # -- run and report -----------------------------------------------------------------
 def run_demo(plan: DemoPlan, *, timeout_s: float = 240.0) -> list[dict[str, Any]]:
     """Start the ranks of ``plan`` and return every rank's :func:`demo_rank` result.
@@ -655,13 +367,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 240.0) -> list[dict[str, Any]
     ipc_dpsample.testing.RankFailure
         A rank raised or did not finish within ``timeout_s`` (tracebacks included).
     """
-    from .testing import run_ranks, run_threads
-
-    if plan.launch == "threads":
+    shared = None
+    if plan.launch == "threads":  # threads share one copy of the data
         shared = [make_round(plan, k) for k in range(plan.rounds)]
-        return run_threads(plan.world, demo_rank, plan, shared, timeout_s=timeout_s)
-    env = {"IPC_DPSAMPLE_TEST_PG_BACKEND": "gloo"} if plan.device == "cpu" else {}
-    return run_ranks(plan.world, demo_rank, plan, None, timeout_s=timeout_s, env=env)
+    return spawn(plan.launch, plan.device, plan.world, demo_rank, plan, shared, timeout_s=timeout_s)
 
 
 def mismatches(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -753,13 +462,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="logits dtype (bf16, fp16, fp32; default: bf16 on GPUs, fp32 on the CPU)",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="when ranks fail, print every rank's traceback (default: one line, and the "
+        "tracebacks go to a log file)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``ipc-dpsample demo``; 0 when every output matched the reference."""
     from dataclasses import replace
 
-    from .testing import RankFailure
+    from ..testing import RankFailure
 
     if ns.iters < 1:
         print(f"ipc-dpsample demo: --iters {ns.iters} must be >= 1", file=sys.stderr)
@@ -781,7 +496,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         results = run_demo(plan)
     except RankFailure as exc:
-        print(f"ipc-dpsample demo: FAILED ({plan.note})\n{exc}", file=sys.stderr)
+        print(_failure_text(plan, str(exc), verbose=ns.verbose), file=sys.stderr)
         return 1
     print(format_report(plan, results))
     bad = mismatches(results)
@@ -793,3 +508,28 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     print(f"\nOK: every output is bit-identical to the NumPy reference ({elapsed:.1f} s)")
     return 0
+
+
+def _failure_text(plan: DemoPlan, tracebacks: str, *, verbose: bool) -> str:
+    """What the demo prints when ranks fail: one line naming the failing ranks and
+    the first error, then where the full tracebacks are (all of them with
+    ``verbose``)."""
+    line = f"ipc-dpsample demo: FAILED ({plan.note}): {failure_summary(tracebacks)}"
+    if verbose:
+        return f"{line}\n{tracebacks}"
+    log = _write_log(tracebacks)
+    where = f"tracebacks in {log}" if log is not None else "rerun with --verbose"
+    return f"{line} [{where}; --verbose prints them]"
+
+
+def _write_log(text: str) -> Path | None:
+    """Write ``text`` to a fresh log file in the temp folder; None when it cannot."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix="ipc-dpsample-demo-", suffix=".log")
+        with open(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        return None
+    return Path(name)

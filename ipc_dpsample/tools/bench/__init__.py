@@ -1,0 +1,221 @@
+"""``ipc-dpsample bench``: sweep the collectives against their baselines.
+
+For every tensor-parallel size ``tp`` the sweep starts one set of ranks:
+
+* ``tp <= GPUs``: one process per GPU (``run_ranks``; NCCL and torch.distributed
+  run there too);
+* ``tp > GPUs`` (e.g. one GPU): ``tp`` threads of one process on GPU 0
+  (``run_threads``; only the one-sided backend can run so);
+* ``--cpu`` or no GPU: ``tp`` processes over gloo on the CPU.
+
+Each rank measures, for every point ``(op, dtype, pad_bs, mode)``, every
+requested backend of :class:`~ipc_dpsample.DpSamplingComm` (verified bit for bit
+once before timing) and, in the same run, the baselines:
+
+``copy``
+    The copy limit: each rank copies the op's bytes per rank with one
+    ``copy_`` (device-to-device on one GPU, to the next GPU peer-to-peer with
+    one GPU per rank, ``memcpy`` on the CPU).
+``nccl_cupy``
+    Raw NCCL through ``cupy.cuda.nccl``: grouped send/recv all-to-all for the swap,
+    ``allGather`` for the gathers (no layout permutation; one GPU per rank).
+``torch_dist``
+    Raw ``torch.distributed.all_to_all_single`` / ``all_gather_into_tensor``.
+
+Timing: ranks meet at a host barrier before each point; every call (eager) or
+every replay of a CUDA graph holding ``--graph-ops`` calls (graph; divided by
+that count) is timed with CUDA events (``perf_counter`` on the CPU). A sample is
+the slowest rank's time for that call. Reported: median, p10, p90, bytes per
+rank, algorithmic and bus bandwidth, and ``vs_<baseline>`` = baseline median /
+median (above 1: faster than the baseline; against ``copy``: the fraction of the
+copy limit reached).
+
+``--out`` receives ``bench.csv``, ``bench.json`` and ``bench.png``.
+
+Modules: :mod:`.config` (options, sweep, launch plan), :mod:`.runners` (what a
+rank times), :mod:`.measure` (the rank body and timing), :mod:`.output` (rows,
+statistics, CSV/JSON/plot, table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..common import Machine, detect_machine, spawn
+from .config import (
+    BACKEND_CHOICES,
+    BASELINES,
+    COLUMNS,
+    MODES,
+    BenchConfig,
+    LaunchPlan,
+    add_arguments,
+    choice_list,
+    config_from_args,
+    op_bytes,
+    parse_dtype_list,
+    parse_int_list,
+    plan_launches,
+    points,
+)
+from .measure import Gate, bench_rank
+from .output import (
+    PLOT_HINT,
+    format_rows,
+    make_rows,
+    slowest,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
+from .runners import swap_expected, swap_input
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "BASELINES",
+    "COLUMNS",
+    "MODES",
+    "BenchConfig",
+    "LaunchPlan",
+    "add_arguments",
+    "bench_rank",
+    "choice_list",
+    "config_from_args",
+    "format_rows",
+    "make_rows",
+    "op_bytes",
+    "parse_dtype_list",
+    "parse_int_list",
+    "plan_launches",
+    "points",
+    "run",
+    "run_bench",
+    "run_launch",
+    "slowest",
+    "summarize",
+    "swap_expected",
+    "swap_input",
+    "write_csv",
+    "write_json",
+    "write_plot",
+]
+
+
+# -- driver -------------------------------------------------------------------------
+def run_launch(cfg: BenchConfig, lp: LaunchPlan) -> tuple[list[dict[str, Any]], str]:
+    """Run one launch; returns its rows and an error text ("" when the ranks ran)."""
+    from ...testing import RankFailure
+
+    if lp.reason:
+        return make_rows(cfg, lp, None), ""
+    gate = Gate() if lp.gated else None
+    try:
+        results = spawn(
+            lp.launch,  # type: ignore[arg-type]
+            lp.device,  # type: ignore[arg-type]
+            lp.tp,
+            bench_rank,
+            lp,
+            cfg,
+            gate,
+            timeout_s=cfg.timeout_s,
+        )
+        early = sum(int(r.get("gate_early", 0)) for r in results)
+        if early:
+            print(
+                f"tp={lp.tp}: the gate opened before every rank had issued in {early} "
+                "samples (their time includes launch skew)",
+                file=sys.stderr,
+            )
+    except RankFailure as exc:
+        failed = dataclasses.replace(lp, reason=f"ranks failed: {str(exc).strip()[-300:]}")
+        rows = make_rows(cfg, failed, None)
+        for r in rows:
+            r["status"] = "failed"
+        return rows, str(exc)
+    return make_rows(cfg, lp, results), ""
+
+
+def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
+    """Run the sweep, print a table per launch, write CSV/JSON/PNG into ``cfg.out``.
+
+    Returns 0 when every measured point succeeded and verified, else 1.
+    """
+    machine = machine or detect_machine()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    plans = plan_launches(cfg, machine)
+    for lp in plans:
+        print(
+            f"\n== tp={lp.tp}: {lp.launch} on {lp.device}"
+            + (f" (skipped: {lp.reason})" if lp.reason else ""),
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        launch_rows, error = run_launch(cfg, lp)
+        if error:
+            errors.append(error)
+            print(f"ranks failed:\n{error}", file=sys.stderr)
+        rows += launch_rows
+        if not lp.reason:
+            print(format_rows(launch_rows))
+            print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
+    meta = {
+        "config": dataclasses.asdict(cfg),
+        "machine": dataclasses.asdict(machine),
+        "launches": [dataclasses.asdict(lp) for lp in plans],
+        "started": started,
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "host": os.uname().nodename,
+        "versions": _versions(),
+        "errors": errors,
+        "ratio_definition": "vs_<baseline> = baseline median / median (above 1: faster)",
+    }
+    paths = [write_csv(rows, out / "bench.csv"), write_json(rows, meta, out / "bench.json")]
+    try:
+        paths.append(write_plot(rows, out / "bench.png"))
+    except ImportError as exc:  # matplotlib is an extra: measure and write without it
+        print(f"no plot ({exc}); for bench.png: {PLOT_HINT}", file=sys.stderr)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    measured = [r for r in rows if r["status"] == "ok"]
+    wrong = [r for r in rows if r["verified"] is False]
+    failed = [r for r in rows if r["status"] == "failed"]
+    if wrong:
+        print(f"FAILED: {len(wrong)} points produced wrong results", file=sys.stderr)
+    if failed:
+        print(f"FAILED: {len(failed)} points failed (see the note column)", file=sys.stderr)
+    if not measured:
+        print("FAILED: nothing was measured", file=sys.stderr)
+    return 0 if measured and not wrong and not failed else 1
+
+
+def _versions() -> dict[str, str | None]:
+    v: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for mod in ("torch", "cupy", "numpy"):
+        try:
+            v[mod] = str(__import__(mod).__version__)
+        except Exception:
+            v[mod] = None
+    return v
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run ``ipc-dpsample bench``."""
+    machine = detect_machine()
+    try:
+        cfg = config_from_args(ns, gpu_machine=machine.gpus > 0)
+    except ValueError as exc:
+        print(f"ipc-dpsample bench: {exc}", file=sys.stderr)
+        return 2
+    return run_bench(cfg, machine)

@@ -1,0 +1,325 @@
+"""The rank body of ``ipc-dpsample bench``: for every impl and point, set up,
+verify, warm up, build (eager call or CUDA graph) and time, with every rank
+agreeing on each step's outcome so that all take the same branch.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..common import rank_device, stream_scope
+from .config import BenchConfig, LaunchPlan, points
+from .runners import RankCtx, Runner, make_runner
+
+__all__ = ["GATE_CYCLES", "Gate", "bench_point", "bench_rank"]
+
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _build(ctx: RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[], Any], int]:
+    """What one timed sample runs, and how many calls it holds: ``fn`` itself
+    (eager), or the replay of a CUDA graph that captured ``cfg.graph_ops`` calls
+    (graph). Purely local: capturing launches nothing, so no rank waits here."""
+    if mode != "graph":
+        return fn, 1
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    # torch.cuda.graph synchronises the device and empties the cache on entry: rank
+    # threads sharing a GPU capture one at a time (capturing launches nothing).
+    with (
+        _CAPTURE_LOCK,
+        torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"),
+    ):
+        for _ in range(ctx.cfg.graph_ops):
+            fn()
+    ctx.keep = graph  # replays need it alive; replaced at the next point
+    return graph.replay, ctx.cfg.graph_ops
+
+
+def _time(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds per call: ``cfg.iters`` samples of ``body`` (holding ``calls`` calls)
+    after a host barrier; CUDA events on the rank's stream, or ``perf_counter``."""
+    cfg = ctx.cfg
+    if ctx.stream is None:
+        ctx.host.barrier(timeout_s=cfg.timeout_s, what="bench point")
+        out = []
+        for _ in range(cfg.iters):
+            t0 = time.perf_counter()
+            body()
+            out.append((time.perf_counter() - t0) / calls)
+        return out
+    import torch
+
+    if ctx.gate is not None:
+        return _time_gated(ctx, body, calls)
+    if calls > 1:
+        body()  # the first replay uploads the graph
+        ctx.sync_all()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.iters)]
+    ctx.host.barrier(timeout_s=cfg.timeout_s, what="bench point")
+    for i in range(cfg.iters):
+        starts[i].record(ctx.stream)
+        body()
+        ends[i].record(ctx.stream)
+    ctx.sync_all()
+    return [s.elapsed_time(e) / 1e3 / calls for s, e in zip(starts, ends, strict=True)]
+
+
+#: Length of the start gate (GPU cycles of ``torch.cuda._sleep``; ~60 ms at 2 GHz):
+#: longer than the rank threads need to issue one sample, so they all start at once.
+GATE_CYCLES = 120_000_000
+
+
+class Gate:
+    """Holds every rank thread's stream at one CUDA event until all of them have
+    issued a sample: the kernels then start together, so the time per op is the
+    device's, not the skew of Python threads taking turns at the GIL.
+
+    Rank 0 arms it (a sleep kernel on a side stream, then the event) before the
+    others issue; each rank's stream waits for the event. ``early`` counts samples
+    whose gate had opened before every rank had issued (they include launch skew;
+    a longer gate fixes it).
+    """
+
+    def __init__(self, cycles: int = GATE_CYCLES) -> None:
+        import torch
+
+        self.cycles = cycles
+        self.stream = torch.cuda.Stream()
+        self.event = torch.cuda.Event()
+        self.early = 0
+
+    def arm(self) -> None:
+        """Start the sleep kernel and record the event behind it (rank 0)."""
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(self.cycles)
+            self.event.record(self.stream)
+
+    def hold(self, stream: Any) -> None:
+        """Make ``stream`` wait until the gate opens."""
+        stream.wait_event(self.event)
+
+    def check_closed(self) -> None:
+        """Count a sample whose gate opened before every rank had issued."""
+        if self.event.query():
+            self.early += 1
+
+
+def _time_gated(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
+    """Like :func:`_time`, but each sample starts behind the shared :class:`Gate`;
+    an eager sample issues ``cfg.graph_ops`` calls back to back, a graph sample one
+    replay (of ``calls`` calls)."""
+    import torch
+
+    cfg, gate, stream = ctx.cfg, ctx.gate, ctx.stream
+    if calls > 1:
+        body()  # the first replay uploads the graph
+        ctx.sync_all()
+    repeat = cfg.graph_ops if calls == 1 else 1
+    out = []
+    for _ in range(cfg.iters):
+        ctx.host.barrier(timeout_s=cfg.timeout_s, what="gated sample")
+        if ctx.rank == 0:
+            gate.arm()
+        ctx.host.barrier(timeout_s=cfg.timeout_s, what="gate armed")
+        gate.hold(stream)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(stream)
+        for _ in range(repeat):
+            body()
+        end.record(stream)
+        ctx.host.barrier(timeout_s=cfg.timeout_s, what="sample issued")
+        if ctx.rank == 0:
+            gate.check_closed()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / (calls * repeat))
+    return out
+
+
+def _progress(total: int, desc: str) -> Any:
+    """tqdm on a terminal when it imports, else :class:`_SimpleBar`."""
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+        except ImportError:
+            pass
+    return _SimpleBar(total, desc, tty=sys.stderr.isatty())
+
+
+class _SimpleBar:
+    """Progress on stderr: a redrawn bar on a terminal, a line per tenth in a log."""
+
+    def __init__(self, total: int, desc: str, *, tty: bool) -> None:
+        self.total, self.desc, self.n, self.tty = max(1, total), desc, 0, tty
+        self._shown = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.tty:
+            done = int(30 * self.n / self.total)
+            bar = "#" * done + " " * (30 - done)
+            sys.stderr.write(f"\r{self.desc} [{bar}] {self.n}/{self.total}")
+        elif 10 * self.n // self.total > self._shown or self.n == self.total:
+            self._shown = 10 * self.n // self.total
+            sys.stderr.write(f"{self.desc}: {self.n}/{self.total}\n")
+        sys.stderr.flush()
+
+    def set_postfix_str(self, text: str) -> None:
+        del text
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def bench_rank(
+    rank: int, world: int, group: Any, lp: LaunchPlan, cfg: BenchConfig, gate: Any = None
+) -> dict[str, Any]:
+    """Body of one benchmark rank (for ``run_ranks`` / ``run_threads``).
+
+    Returns
+    -------
+    dict
+        ``samples``: ``{(impl, op, dtype, pad_bs, mode): [seconds]}``; ``info``: per
+        key ``status`` (``ok``, ``failed`` or ``skipped``), ``note``, ``verified``
+        (True/False, None for baselines) and ``resolved`` (the backend that ran).
+    """
+    from ...group import TorchStoreGroup
+
+    device, stream = rank_device(lp.device, lp.launch, world)  # type: ignore[arg-type]
+    host = group if group is not None else TorchStoreGroup(None)
+    ctx = RankCtx(rank, group, host, device, stream, cfg, lp, gate=gate)
+    samples: dict[tuple[Any, ...], list[float]] = {}
+    info: dict[tuple[Any, ...], dict[str, Any]] = {}
+    total = sum(len(points(cfg, lp)) for impl in lp.impls)
+    bar = _progress(total, f"tp={lp.tp} {lp.launch} {lp.device}") if rank == 0 else None
+    try:
+        with stream_scope(stream):
+            for impl in lp.impls:
+                _bench_impl(ctx, impl, samples, info, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    early = gate.early if gate is not None and rank == 0 else 0
+    return {"samples": samples, "info": info, "gate_early": early}
+
+
+def _bench_impl(
+    ctx: RankCtx,
+    impl: str,
+    samples: dict[tuple[Any, ...], list[float]],
+    info: dict[tuple[Any, ...], dict[str, Any]],
+    bar: Any,
+) -> None:
+    cfg, lp = ctx.cfg, ctx.lp
+    pts = points(cfg, lp)
+    runner: Runner | None = None
+    note = ""
+    try:
+        runner = make_runner(ctx, impl)
+    except Exception as exc:
+        note = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if not ctx.agree(runner is not None, f"start {impl}"):
+        note = note or "another rank could not start it"
+        for op, dtype, pad_bs, mode in pts:
+            info[(impl, op, dtype, pad_bs, mode)] = _info("skipped", note, None, None)
+        if runner is not None:
+            runner.close()
+        if bar is not None:
+            bar.update(len(pts))
+        return
+    assert runner is not None
+    broken_modes: dict[str, str] = {}
+    try:
+        for op, dtype, pad_bs, mode in pts:
+            key = (impl, op, dtype, pad_bs, mode)
+            if bar is not None:
+                bar.set_postfix_str(f"{impl} {op} {dtype} pad_bs={pad_bs} {mode}")
+            if mode in broken_modes:
+                info[key] = _info("failed", broken_modes[mode], None, runner.resolved)
+                if bar is not None:
+                    bar.update()
+                continue
+            status, note, verified, step = bench_point(ctx, runner, key, samples)
+            ctx.keep = None
+            if status == "failed" and step == "graph":
+                broken_modes["graph"] = f"graph capture failed earlier: {note}"
+            info[key] = _info(status, note, verified, runner.resolved)
+            samples.setdefault(key, [])
+            if bar is not None:
+                bar.update()
+    finally:
+        ctx.sync()
+        runner.close()
+
+
+def bench_point(
+    ctx: RankCtx,
+    runner: Runner,
+    key: tuple[Any, ...],
+    samples: dict[tuple[Any, ...], list[float]],
+) -> tuple[str, str, bool | None, str]:
+    """Measure one point: set up (prepare, bit-exact check, warm-up), build (eager
+    call or captured graph), time. Each step ends with an agreement of all ranks,
+    so every rank takes the same branch even when one fails.
+
+    Returns
+    -------
+    (status, note, verified, failed step)
+        ``status`` is ``ok`` or ``failed``; ``verified`` None when not checked.
+    """
+    _impl, op, dtype, pad_bs, mode = key
+    cfg = ctx.cfg
+    verified: bool | None = None
+    note = ""
+    fn: Callable[[], Any] = _noop
+    body: Callable[[], Any] = _noop
+    calls = 1
+    for step in ("setup", mode, "timing"):
+        error = ""
+        try:
+            if step == "setup":
+                fn, check = runner.prepare(op, dtype, pad_bs)
+                if check is not None and cfg.verify:
+                    diff = check()
+                    verified = not diff
+                    note = f"WRONG RESULT: {diff}" if diff else ""
+                for _ in range(cfg.warmup):
+                    fn()
+                ctx.sync_all()
+            elif step == "timing":
+                samples[key] = _time(ctx, body, calls)
+            else:
+                body, calls = _build(ctx, fn, mode)
+        except Exception as exc:
+            error = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0]
+            _recover(ctx)
+        if not ctx.agree(not error, f"{key} {step}"):
+            return "failed", error or f"{step} failed on another rank", verified, step
+    return "ok", note, verified, ""
+
+
+def _noop() -> None:
+    return None
+
+
+def _recover(ctx: RankCtx) -> None:
+    try:
+        ctx.sync()
+    except Exception:
+        pass
+
+
+def _info(status: str, note: str, verified: bool | None, resolved: str | None) -> dict[str, Any]:
+    return {"status": status, "note": note, "verified": verified, "resolved": resolved}

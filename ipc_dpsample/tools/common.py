@@ -1,0 +1,422 @@
+"""What the tools share: machine detection, bit-exact data helpers, and starting
+ranks.
+
+* :func:`detect_machine` probes GPUs and the optional backends once
+  (:class:`Machine`); CuPy's ``CUDARuntimeError`` counts as "no GPU".
+* :class:`DemoPlan` describes one run of the three ops (ranks, shapes, seed);
+  :func:`make_round` draws every rank's seeded random inputs and the reference
+  outputs for one round.
+* :func:`bits_equal`, :func:`to_torch`, :func:`to_numpy` compare and move data
+  bit for bit (bfloat16 travels as its ``uint16`` pattern).
+* :func:`rank_device` and :func:`stream_scope` set a rank up on its device and
+  stream; :func:`spawn` starts ranks as threads or processes;
+  :func:`failure_summary` turns a :class:`~ipc_dpsample.testing.RankFailure` into
+  one line naming the failing ranks and the first error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ..arrays import ITEMSIZE, LOGITS_DTYPES
+from ..config import BACKENDS
+from ..layout import (
+    reference_gather_verify_logprobs,
+    reference_gather_verify_outputs,
+    reference_swap_batch_vocab,
+)
+
+__all__ = [
+    "CPU_SHAPE",
+    "GPU_SHAPE",
+    "OPS",
+    "DemoPlan",
+    "DeviceKind",
+    "Launch",
+    "Machine",
+    "NullCtx",
+    "RankData",
+    "bits_equal",
+    "detect_machine",
+    "failure_summary",
+    "make_round",
+    "rank_device",
+    "spawn",
+    "stream_scope",
+    "to_numpy",
+    "to_torch",
+    "torch_gpu_count",
+]
+
+#: The three collectives, in the order a verify step calls them.
+OPS: tuple[str, ...] = ("swap_batch_vocab", "gather_verify_outputs", "gather_verify_logprobs")
+
+Launch = Literal["processes", "threads"]
+DeviceKind = Literal["cpu", "cuda"]
+
+#: Shapes of one verify step on a GPU machine (Qwen-class vocabulary, 3 drafts + 1).
+GPU_SHAPE = {"pad_bs": 64, "num_tokens": 4, "vocab": 152064, "dtype": "bfloat16"}
+#: Scaled down for a CPU machine (gloo moves the bytes; a 2-core box finishes fast).
+CPU_SHAPE = {"pad_bs": 16, "num_tokens": 4, "vocab": 32000, "dtype": "float32"}
+
+
+# -- plan ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DemoPlan:
+    """One demo run: who the ranks are and what they move.
+
+    Raises
+    ------
+    ValueError
+        On shapes the communicator would reject (the message names the fix).
+    """
+
+    world: int
+    launch: Launch
+    device: DeviceKind
+    backend: str = "auto"
+    pad_bs: int = CPU_SHAPE["pad_bs"]
+    num_tokens: int = CPU_SHAPE["num_tokens"]
+    vocab: int = CPU_SHAPE["vocab"]
+    dtype: str = CPU_SHAPE["dtype"]
+    iters: int = 20
+    #: Rounds verified with fresh data before timing (ping-pong regions see both parities).
+    rounds: int = 3
+    seed: int = 20261202
+    timeout_s: float = 30.0
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ValueError(f"world={self.world} must be >= 1")
+        if self.launch not in ("processes", "threads"):
+            raise ValueError(f"launch={self.launch!r}; expected 'processes' or 'threads'")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}; expected 'cpu' or 'cuda'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        if self.pad_bs < self.world or self.pad_bs % self.world:
+            raise ValueError(f"pad_bs={self.pad_bs} must be a positive multiple of {self.world}")
+        if self.vocab < self.world or self.vocab % self.world:
+            raise ValueError(f"vocab={self.vocab} must be a positive multiple of {self.world}")
+        if self.dtype not in LOGITS_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; expected one of {LOGITS_DTYPES}")
+        if self.iters < 1 or self.rounds < 1 or self.num_tokens < 1:
+            raise ValueError("iters, rounds and num_tokens must be >= 1")
+
+    @property
+    def reqs_per_rank(self) -> int:
+        """``R = pad_bs / world``."""
+        return self.pad_bs // self.world
+
+    @property
+    def vocab_shard(self) -> int:
+        """``V / world``."""
+        return self.vocab // self.world
+
+    def op_shapes(self, op: str) -> tuple[str, str, str]:
+        """``(input per rank, output per rank, dtype)`` as text, for the table."""
+        r, n, v = self.reqs_per_rank, self.num_tokens, self.vocab
+        if op == "swap_batch_vocab":
+            return f"[{self.pad_bs * n}, {self.vocab_shard}]", f"[{r * n}, {v}]", self.dtype
+        if op == "gather_verify_outputs":
+            return f"3 x [{r}, {n}]", f"3 x [{self.pad_bs}, {n}]", "int32"
+        return f"[{r}, {n}]", f"[{self.pad_bs}, {n}]", "float32"
+
+    def op_bytes(self, op: str) -> int:
+        """Bytes each rank receives in ``op`` (its output's size)."""
+        r, n = self.reqs_per_rank, self.num_tokens
+        if op == "swap_batch_vocab":
+            return r * n * self.vocab * ITEMSIZE[self.dtype]
+        if op == "gather_verify_outputs":
+            return self.pad_bs * (2 * n + 1) * 4
+        return self.pad_bs * n * 4
+
+
+# -- data ---------------------------------------------------------------------------
+@dataclass
+class RankData:
+    """One rank's inputs of one round and what it must receive.
+
+    Arrays are NumPy; bfloat16 travels as its ``uint16`` bit pattern.
+    """
+
+    logits: np.ndarray  # [pad_bs * N, V / world]
+    predict: np.ndarray  # int32 [R, N]
+    accept_index: np.ndarray  # int32 [R, N]
+    accept_length: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R, N]
+    expect_swap: np.ndarray  # [R * N, V]
+    expect_outputs: tuple[np.ndarray, np.ndarray, np.ndarray]
+    expect_logprobs: np.ndarray
+
+
+def _random_logits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(4.0)
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 bits (truncated)
+
+
+def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) -> list[RankData]:
+    """Random inputs of every rank for one round and the reference outputs.
+
+    Every rank derives the same data from ``(plan.seed, round_)``, so a process
+    rank can build the whole round and keep only its own part.
+
+    Parameters
+    ----------
+    plan : DemoPlan
+    round_ : int
+    ranks : sequence of int or None
+        Ranks to return (all when None); the result is indexed like ``ranks``.
+    """
+    w, r, n, v = plan.world, plan.reqs_per_rank, plan.num_tokens, plan.vocab
+    rng = np.random.default_rng([plan.seed, round_])
+    logits = [_random_logits(rng, (plan.pad_bs * n, v // w), plan.dtype) for _ in range(w)]
+    predict = [rng.integers(1, v, (r, n), dtype=np.int32) for _ in range(w)]
+    accept_index = [rng.integers(1, plan.pad_bs * n, (r, n), dtype=np.int32) for _ in range(w)]
+    accept_length = [rng.integers(1, n + 1, (r,), dtype=np.int32) for _ in range(w)]
+    logprobs = [-rng.exponential(2.0, (r, n)).astype(np.float32) - 1e-3 for _ in range(w)]
+    swapped = reference_swap_batch_vocab(logits, tp=w, num_tokens_per_req=n, pad_bs=plan.pad_bs)
+    outputs = reference_gather_verify_outputs(predict, accept_index, accept_length)
+    gathered_lp = reference_gather_verify_logprobs(logprobs)
+    return [
+        RankData(
+            logits=logits[k],
+            predict=predict[k],
+            accept_index=accept_index[k],
+            accept_length=accept_length[k],
+            logprobs=logprobs[k],
+            expect_swap=swapped[k],
+            expect_outputs=outputs,
+            expect_logprobs=gathered_lp,
+        )
+        for k in (range(w) if ranks is None else ranks)
+    ]
+
+
+# -- machine ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """What this machine can run, probed once without side effects on devices.
+
+    Attributes
+    ----------
+    torch_gpus : int
+        CUDA devices torch sees (0 unless ``torch.cuda.is_available()``).
+    cupy_gpus : int
+        CUDA devices CuPy can drive (0 when CuPy raises ``CUDARuntimeError``).
+    onesided : bool
+        ``ipc_dpsample.backends.onesided`` imports.
+    onesided_error : str
+        Why it does not, when it does not.
+    nccl_backend : bool
+        ``ipc_dpsample.backends.nccl`` imports and ``cupy.cuda.nccl`` loads.
+    nccl_error : str
+    cupy_nccl : bool
+        ``cupy.cuda.nccl`` loads libnccl (the NCCL baseline of the benchmark).
+    cpu_count : int
+    """
+
+    torch_gpus: int
+    cupy_gpus: int
+    onesided: bool = False
+    onesided_error: str = ""
+    nccl_backend: bool = False
+    nccl_error: str = ""
+    cupy_nccl: bool = False
+    cpu_count: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the tools use: torch's count (the demo and bench move torch tensors)."""
+        return self.torch_gpus
+
+
+def torch_gpu_count() -> int:
+    """CUDA devices torch can use; 0 on a CPU build, without a driver or on error."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _import_error(module: str) -> str:
+    try:
+        __import__(module)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def detect_machine() -> Machine:
+    """Probe GPUs and optional backends.
+
+    CuPy's ``CUDARuntimeError`` (no GPU, driver too old) counts as zero GPUs
+    (:func:`ipc_dpsample.identity.cupy_device_count`).
+    """
+    import warnings
+
+    from ..identity import cupy_device_count, nccl_available
+
+    onesided_error = _import_error("ipc_dpsample.backends.onesided")
+    nccl_error = _import_error("ipc_dpsample.backends.nccl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CuPy warns when libnccl is missing
+        has_nccl = nccl_available()
+    if not nccl_error and not has_nccl:
+        nccl_error = "cupy.cuda.nccl cannot load libnccl (pip install nvidia-nccl-cu12)"
+    return Machine(
+        torch_gpus=torch_gpu_count(),
+        cupy_gpus=cupy_device_count(),
+        onesided=not onesided_error,
+        onesided_error=onesided_error,
+        nccl_backend=not nccl_error,
+        nccl_error=nccl_error,
+        cupy_nccl=has_nccl,
+        cpu_count=os.cpu_count() or 1,
+    )
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """Unsigned integer view of the same bytes (NaN-safe, -0.0 != 0.0)."""
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return np.ascontiguousarray(a).view(unsigned)
+
+
+def bits_equal(got: np.ndarray, expected: np.ndarray) -> str:
+    """``""`` when ``got`` and ``expected`` hold the same bits, else what differs."""
+    if got.shape != expected.shape:
+        return f"shape {got.shape} != expected {expected.shape}"
+    if got.dtype.itemsize != expected.dtype.itemsize:
+        return f"itemsize {got.dtype.itemsize} != expected {expected.dtype.itemsize}"
+    g, e = _bits(got), _bits(expected)
+    bad = np.flatnonzero(g.reshape(-1) != e.reshape(-1))
+    if bad.size == 0:
+        return ""
+    first = np.unravel_index(int(bad[0]), got.shape)
+    return (
+        f"{bad.size} of {g.size} elements differ; first at {tuple(int(i) for i in first)}: "
+        f"got {int(g.reshape(-1)[bad[0]]):#x}, expected {int(e.reshape(-1)[bad[0]]):#x}"
+    )
+
+
+def to_torch(a: np.ndarray, dtype: str, device: Any) -> Any:
+    """A torch tensor on ``device`` holding ``a`` (``dtype`` is the canonical name)."""
+    import torch
+
+    if dtype == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(device)
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """Host copy of a torch tensor's bits (bfloat16 as ``uint16``)."""
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+class NullCtx:
+    """A context manager that does nothing (the CPU path's stream scope)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- ranks --------------------------------------------------------------------------
+def rank_device(device: DeviceKind, launch: Launch, world: int) -> tuple[Any, Any]:
+    """Set a rank up: its ``torch.device`` and its own CUDA stream (None on the CPU).
+
+    Rank threads share GPU 0; a process rank uses the GPU ``run_ranks`` gave it. A
+    CPU rank gets an equal share of the cores for torch's intra-op threads.
+    """
+    import torch
+
+    if device == "cuda":
+        if launch == "threads":
+            torch.cuda.set_device(0)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        return dev, torch.cuda.Stream(dev)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+    return torch.device("cpu"), None
+
+
+def stream_scope(stream: Any) -> Any:
+    """``torch.cuda.stream(stream)``, or :class:`NullCtx` when ``stream`` is None."""
+    if stream is None:
+        return NullCtx()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
+def spawn(
+    launch: Launch,
+    device: DeviceKind,
+    world: int,
+    body: Callable[..., Any],
+    *args: Any,
+    timeout_s: float,
+) -> list[Any]:
+    """Run ``body(rank, world, group, *args)`` on ``world`` ranks: threads of this
+    process (``launch="threads"``) or spawned processes (over gloo on the CPU).
+
+    Raises
+    ------
+    ipc_dpsample.testing.RankFailure
+        A rank raised or did not finish within ``timeout_s`` (tracebacks included).
+    """
+    from ..testing import run_ranks, run_threads
+
+    if launch == "threads":
+        return run_threads(world, body, *args, timeout_s=timeout_s)
+    env = {"IPC_DPSAMPLE_TEST_PG_BACKEND": "gloo"} if device == "cpu" else {}
+    return run_ranks(world, body, *args, timeout_s=timeout_s, env=env)
+
+
+_RANK_HEADER = re.compile(r"^--- rank (\d+) failed ---$", re.M)
+_HUNG = re.compile(r"^--- ranks \[([\d, ]*)\] (.*) ---$", re.M)
+
+
+def failure_summary(message: str) -> str:
+    """One line from a ``RankFailure`` message: the failing ranks and the first error.
+
+    ``"rank 1 failed: ValueError: bad shape"``; ranks that hung are named too
+    (``"ranks 0, 2 failed (ranks [3] did not finish ...)"``).
+    """
+    failed = [int(m.group(1)) for m in _RANK_HEADER.finditer(message)]
+    hung = _HUNG.search(message)
+    parts = _RANK_HEADER.split(message)
+    first = ""
+    if failed:
+        tb = parts[2].split("\n--- ")[0]
+        lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+        first = lines[-1] if lines else ""
+    who = ", ".join(map(str, failed))
+    text = f"rank{'s' if len(failed) != 1 else ''} {who} failed" if failed else ""
+    if hung:
+        what = f"ranks [{hung.group(1)}] {hung.group(2)}"
+        text = f"{text} ({what})" if text else what
+    if first:
+        text += f": {first}"
+    return text or (message.strip().splitlines() or ["ranks failed"])[-1]
