@@ -73,8 +73,9 @@ def main() -> None:
     times.sort()
     print(
         f"construction tp={ns.tp} backend={ns.backend}: "
-        f"median {statistics.median(times) * 1e3:.1f} ms (min {times[0] * 1e3:.1f}, max {times[-1] * 1e3:.1f}, {len(times)} reps, slowest "
-        f"rank per rep); host all-gathers per construction: {sorted(set(gathers))}"
+        f"median {statistics.median(times) * 1e3:.1f} ms (min {times[0] * 1e3:.1f}, "
+        f"max {times[-1] * 1e3:.1f}, {len(times)} reps, slowest rank per rep); "
+        f"host all-gathers per construction: {sorted(set(gathers))}"
     )
 
 
