@@ -98,24 +98,36 @@ class Runner:
 
 
 class CommRunner(Runner):
-    def __init__(self, ctx: RankCtx, backend: str) -> None:
-        from ...comm import DpSamplingComm
+    """The package's ops on one communicator per logits dtype (a communicator's dtype
+    is fixed once; every rank asks for the dtypes in the same order, so the lazily
+    built communicators are built collectively)."""
 
+    def __init__(self, ctx: RankCtx, backend: str) -> None:
         self.ctx = ctx
-        cfg, lp = ctx.cfg, ctx.lp
-        self.comm = DpSamplingComm(
-            tp_size=lp.tp,
-            rank=ctx.rank,
-            group=ctx.group,
-            max_pad_bs=max(lp.pad_bs),
-            num_tokens_per_req=cfg.num_tokens,
-            vocab_size=cfg.vocab,
-            logits_dtype=None,
-            backend=backend,
-            device=ctx.device,
-            timeout_s=30.0,
-        )
+        self.backend = backend
+        self.comms: dict[str | None, Any] = {}
+        self.comm = self._comm(None)
         self.resolved = self.comm.backend
+
+    def _comm(self, dtype: str | None) -> Any:
+        comm = self.comms.get(dtype)
+        if comm is None:
+            from ...comm import DpSamplingComm
+
+            cfg, lp, ctx = self.ctx.cfg, self.ctx.lp, self.ctx
+            comm = self.comms[dtype] = DpSamplingComm(
+                tp_size=lp.tp,
+                rank=ctx.rank,
+                group=ctx.group,
+                max_pad_bs=max(lp.pad_bs),
+                num_tokens_per_req=cfg.num_tokens,
+                vocab_size=cfg.vocab,
+                logits_dtype=dtype,
+                backend=self.backend,
+                device=ctx.device,
+                timeout_s=30.0,
+            )
+        return comm
 
     def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
         import torch
@@ -125,7 +137,7 @@ class CommRunner(Runner):
         bs = cfg.real_bs(pad_bs)
         kw: dict[str, int] = {} if bs is None else {"bs": bs}  # only when --bs is given
         if op == "swap_batch_vocab":
-            c.prepare_verify_outputs(dtype)
+            c = self._comm(dtype)
             x = swap_input(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev)
 
             def swap() -> Any:
@@ -169,7 +181,8 @@ class CommRunner(Runner):
         return logprobs, check_lp
 
     def close(self) -> None:
-        self.comm.close()
+        for comm in self.comms.values():
+            comm.close()
 
 
 class _CopyRunner(Runner):
