@@ -17,7 +17,15 @@ from typing import Any
 
 from . import __version__, envs
 from .backends.base import Backend
-from .config import BACKENDS, BackendName, CommConfig, PeerRecord, check_agreement, pack_record
+from .config import (
+    BACKENDS,
+    RECORD_SIZE,
+    BackendName,
+    CommConfig,
+    PeerRecord,
+    check_agreement,
+    pack_record,
+)
 from .config import unpack_record as _unpack_config
 from .errors import BackendUnavailableError, DpSampleError
 from .group import HostGroup
@@ -98,7 +106,7 @@ def exchange(
     nothing)."""
     payload = pack_record(mine) + (b"" if ipc is None else pack_ipc_record(ipc))
     gathered = group.all_gather_bytes(payload, timeout_s=timeout_s, what="rank records")
-    n = len(pack_record(mine))
+    n = RECORD_SIZE
     records = [_unpack_config(item[:n]) for item in gathered]
     ipcs: list[IpcRecord | None] = []
     for item in gathered:

@@ -16,6 +16,7 @@ earlier ops are poisoned before the next op, so a skipped or partial copy shows.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import ipc_dpsample.comm as comm_module
+import ipc_dpsample.rendezvous as comm_module  # where records are built and packed
 from ipc_dpsample import ConfigMismatchError, DpSampleError, DpSamplingComm
 from ipc_dpsample.config import AGREED_FIELDS
 from ipc_dpsample.layout import (
@@ -277,10 +278,10 @@ def _close_semantics(rank: int, tp: int, group: Any) -> None:
         rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=tp,
         logits_dtype="float32",
     )  # fmt: skip
-    assert comm.is_initialized
+    assert comm.is_open
     comm.close()
     comm.close()  # idempotent
-    assert not comm.is_initialized
+    assert not comm.is_open
     x = torch.ones(tp, 1)
     i32 = torch.ones(1, 1, dtype=torch.int32)
     for call in (
@@ -380,7 +381,8 @@ _FIELD_CHANGES: dict[str, dict[str, Any]] = {
     "logits_dtype": {"logits_dtype": "bfloat16"},
     "backend": {"backend": "torch"},
     "device_kind": {},  # simulated: the odd rank's record says "cuda" (no GPU here)
-    "version": {},  # simulated by patching ipc_dpsample.comm.__version__
+    "version": {},  # simulated by patching ipc_dpsample.rendezvous.__version__
+    "graph_swap": {},  # the odd rank sets IPC_DPSAMPLE_GRAPH_SWAP=copy
 }
 
 
@@ -412,6 +414,8 @@ def config_mismatch_fields(rank: int, tp: int, group: Any, odd_rank: int) -> dic
             comm_module.pack_record = lambda rec: real_pack(
                 dataclasses.replace(rec, device_kind="cuda")
             )
+        if field == "graph_swap" and odd:
+            os.environ["IPC_DPSAMPLE_GRAPH_SWAP"] = "copy"
         t0 = time.monotonic()
         try:
             comm = _construct(rank, tp, group, field, odd)
@@ -429,6 +433,7 @@ def config_mismatch_fields(rank: int, tp: int, group: Any, odd_rank: int) -> dic
         finally:
             comm_module.__version__ = saved
             comm_module.pack_record = real_pack
+            os.environ.pop("IPC_DPSAMPLE_GRAPH_SWAP", None)
 
     messages.update(_malformed_records(rank, tp, group, odd))
     _fresh_comm_works(rank, tp, group)

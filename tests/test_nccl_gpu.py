@@ -708,7 +708,7 @@ def test_tp1_reported_error_is_raised_by_check_and_every_later_call() -> None:
             comm.gather_verify_logprobs(lp, pad_bs=4)
     finally:
         comm.close()
-    assert not comm.is_initialized
+    assert not comm.is_open
 
 
 def test_tp1_close_is_idempotent_and_views_outlive_it() -> None:
