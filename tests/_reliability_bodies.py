@@ -744,7 +744,7 @@ def ipc_injection_body(rank: int, tp: int, group: Any) -> dict[str, dict[str, An
 class CudaCallCounter:
     """Counts the CUDA runtime calls that own the one-sided backend's resources, by
     wrapping them on the ``cupy.cuda.runtime`` module the library calls them through
-    (``ipc.py`` and ``symmetric.py`` look them up at call time): IPC mappings
+    (``ipc.py`` and ``backends/onesided/arena.py`` look them up at call time): IPC mappings
     (``ipcOpenMemHandle``/``ipcCloseMemHandle``), arenas (``malloc``/``free``: CuPy's
     and torch's allocators do not go through these module attributes) and the
     host-mapped error blocks (``hostAlloc``/``freeHost``). ``live`` holds what is

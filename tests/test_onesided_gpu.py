@@ -176,6 +176,15 @@ def _alternating_body(
                 args = (lp[rank].contiguous(),)
                 ref = lp.reshape(-1, n).contiguous()
             plan.append((kind, args, ref, torch.empty_like(ref)))
+        # Load every kernel the loop launches besides the library's own (which load at
+        # construction) before the first op: CUDA loads modules lazily, and loading one
+        # may synchronise the context, which a peer's kernel spinning for this rank
+        # blocks until the timeout (CUDA Programming Guide, "Lazy Loading": kernels
+        # that wait for each other must be loaded first). Seen here at 3f2ced2 as a
+        # stall at op 0 and as 199 unchecked failed ops after one.
+        for _, _, ref, snap in plan[:3]:
+            torch.mul(ref, 1, out=snap)
+        torch.cuda._sleep(1)
         stream.synchronize()
         group.barrier(timeout_s=60, what="inputs of every op allocated")
         try:
@@ -211,6 +220,11 @@ def _alternating_body(
         finally:
             stream.synchronize()
             group.barrier(timeout_s=60, what="end of alternating run")
+        if error is None:
+            try:  # an op that failed after the last host call reports here
+                comm.check()
+            except DpSampleError as exc:
+                error = f"{type(exc).__name__}: {exc}"
         for i, (kind, _, ref, snap) in enumerate(plan):  # every op, after the run
             if not torch.equal(snap, ref):
                 bad += 1
