@@ -20,6 +20,7 @@
 // signals and waits, so ranks without a real request keep the protocol going.
 
 #include "dp_common.cuh"
+#include "argmax.cuh"
 
 // Block-wide copy of n bytes using the widest vector the relative alignment of
 // dst and src allows: scalar head until dst is aligned, vector body, scalar tail.
@@ -311,6 +312,113 @@ extern "C" __global__ void dp_gather_ll(u64 in0, u64 in1, u64 in2, u64 bs_ptr, i
   }
   __syncthreads();
   if (threadIdx.x == 0) dp_ctrl(d)[DP_CTRL_EPOCH] = e;
+}
+
+// argmax_batch_vocab: greedy verify without moving logits. Every CTA reduces real
+// rows of this rank's shard (one CTA per row, grid-stride) to (max, first global
+// index, sum of exp) partials and sends each as three LL packets to the row's
+// owner (row g of the padded batch belongs to request g / N, owned by rank
+// g / (R*N)); the last CTA signals the flags, waits for every peer's (signature
+// check: op, dtype, pad_bs, bs), then collects the tp partials of each of this
+// rank's real rows, combines them in rank order and writes the token id and its
+// log-softmax value. Only the last CTA spins.
+#define DP_ARGMAX_BLOCK 256
+template <typename Tag>
+__device__ __forceinline__ bool argmax_push_rows(const DpDesc& d, u64 src, u32 real_rows, u32 rpd,
+                                                 u32 ncols, u32 limit, u64 dparity, u64 tag) {
+  __shared__ float smem_f[2 * DP_ARGMAX_BLOCK];
+  __shared__ unsigned smem_u[DP_ARGMAX_BLOCK];
+  const u64* peers = (const u64*)d.peers;
+  const u32 col0 = d.rank * ncols;
+  const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
+  bool any = false;
+  for (u32 g = blockIdx.x; g < real_rows; g += gridDim.x) {
+    const typename Tag::Storage* row = (const typename Tag::Storage*)src + (u64)g * ncols;
+    const ArgmaxPartial p = argmax_row_partial<Tag>(row, ncols, col0, local_limit, smem_f, smem_u);
+    if (threadIdx.x < 3) {
+      unsigned w[3];
+      argmax_pack(p, w);
+      const u32 dest = g / rpd;
+      u64* slot = (u64*)(peers[dest] + d.ll_off + dparity * d.ll_region_bytes) +
+                  (u64)d.rank * d.ll_slots + (u64)(g - dest * rpd) * 3 + threadIdx.x;
+      st_relaxed_sys(slot, tag | w[threadIdx.x]);
+    }
+    any = true;
+  }
+  return any;
+}
+
+extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
+    dp_argmax(u64 src_ptr, u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols,
+              i64 vocab_limit, i64 dtype_code, u64 sig) {
+  u32* ctrl = dp_ctrl(d);
+  if (dp_broken(d)) return;
+  const u32 e = dp_next_epoch(d);
+  const u32 parity = e & 1u;
+  const u64 dparity = parity & d.parity_mask;
+  const u64 tag = (u64)e << 32;
+  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const u32 full_sig = (u32)sig | bs;
+  const u32 R = (u32)(pad_bs / d.tp), rpd = R * d.n;
+  const u32 limit = (u32)vocab_limit;
+  if (dtype_code == 1)
+    argmax_push_rows<ArgmaxBf16>(d, src_ptr, bs * d.n, rpd, (u32)ncols, limit, dparity, tag);
+  else if (dtype_code == 2)
+    argmax_push_rows<ArgmaxF16>(d, src_ptr, bs * d.n, rpd, (u32)ncols, limit, dparity, tag);
+  else
+    argmax_push_rows<ArgmaxF32>(d, src_ptr, bs * d.n, rpd, (u32)ncols, limit, dparity, tag);
+
+  // LL packets need no fence: each carries its epoch. The last CTA signals.
+  __shared__ u32 last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
+    last = (prev == gridDim.x - 1) ? 1u : 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  const u64* peers = (const u64*)d.peers;
+  __shared__ u32 failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (threadIdx.x < d.tp) {
+    st_release_sys(dp_flag(d, peers[threadIdx.x], d.flags_off, parity, d.rank), tag | full_sig);
+    if (!dp_wait_flag(d, dp_flag(d, d.base, d.flags_off, parity, threadIdx.x), e, threadIdx.x,
+                      full_sig))
+      atomicOr(&failed, 1u);
+  }
+  __syncthreads();
+  if (!failed) {
+    const u64* region = (const u64*)(d.base + d.ll_off + dparity * d.ll_region_bytes);
+    int* ids = (int*)(d.base + d.out_off[4]);
+    float* lps = (float*)(d.base + d.out_off[5]);
+    const u32 mine = dp_real_reqs(bs, d.rank, R) * d.n;
+    for (u32 i = threadIdx.x; i < mine; i += blockDim.x) {
+      ArgmaxPartial acc = argmax_empty();
+      bool ok = true;
+      for (u32 s = 0; s < d.tp && ok; ++s) {
+        unsigned w[3];
+        for (u32 k = 0; k < 3; ++k) {
+          const u64 p = dp_wait(d, region + (u64)s * d.ll_slots + (u64)i * 3 + k, e, s, full_sig,
+                                nullptr, true);
+          if (p == 0) {
+            ok = false;
+            break;
+          }
+          w[k] = (unsigned)(p & 0xffffffffull);
+        }
+        if (ok) acc = argmax_combine(acc, argmax_unpack(w[0], w[1], w[2]));
+      }
+      if (!ok) break;
+      ids[i] = (int)acc.idx;
+      lps[i] = argmax_logprob(acc);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ctrl[DP_CTRL_COUNTER] = 0;
+    ctrl[DP_CTRL_EPOCH] = e;
+  }
 }
 
 // Init-time verification: write `value` into a peer's probe slot through the

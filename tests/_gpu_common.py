@@ -77,3 +77,49 @@ def bits(t) -> np.ndarray:
     if t.dtype == torch.float32:
         return t.view(torch.int32).numpy()
     return t.numpy()
+
+
+def argmax_inputs(seed: int, tp: int, pad_bs: int, n: int, vs: int, dtype: str, vocab_limit: int):
+    """Every rank's ``local_logits`` for an argmax, ``[tp, pad_bs*n, vs]`` on the CPU:
+    random rows plus, where the batch has room, the special rows of the contract:
+    a tie of the maximum across a shard boundary, a NaN, an all ``-inf`` row, a
+    ``+inf``, and values whose naive exp overflows. The columns that win stay below
+    ``vocab_limit``; the padded tail holds larger values that must not win."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tp, pad_bs * n, vs, generator=g) * 3
+    v = tp * vs
+    full = x.permute(1, 0, 2).reshape(pad_bs * n, v)  # a view: rows of the full vocab
+    full[:, vocab_limit:] = 50.0  # the tail would win if it counted
+    rows = pad_bs * n
+    big = 60000.0 if dtype == "float16" else 3.0e38
+    specials = []
+    if vocab_limit > vs:  # a tie across the boundary of shards 0 and 1
+        specials.append(lambda r: full[r].__setitem__(slice(vs - 1, vs + 1), 20.0))
+    specials += [
+        lambda r: full[r].__setitem__(min(vocab_limit - 1, v // 2), float("nan")),
+        lambda r: full[r].fill_(float("-inf")),
+        lambda r: full[r].__setitem__(0, float("inf")),
+        lambda r: full[r, :vocab_limit].mul_(big / 4).clamp_(-big, big),
+        lambda r: full[r, :vocab_limit].fill_(7.0),  # every column ties: index 0
+    ]
+    for i, special in enumerate(specials):
+        if 2 * i + 1 < rows:
+            special(2 * i + 1)
+    return full.reshape(pad_bs * n, tp, vs).permute(1, 0, 2).contiguous().to(torch_dtype(dtype))
+
+
+def reference_argmax(x_all, tp: int, pad_bs: int, n: int, dtype: str, vocab_limit: int):
+    """:func:`ipc_dpsample.layout.reference_argmax_batch_vocab` of torch inputs."""
+    import torch
+
+    from ipc_dpsample.layout import reference_argmax_batch_vocab
+
+    if dtype == "bfloat16":
+        inputs = [x.view(torch.int16).numpy().view(np.uint16) for x in x_all]
+    else:
+        inputs = [x.numpy() for x in x_all]
+    return reference_argmax_batch_vocab(
+        inputs, tp=tp, num_tokens_per_req=n, pad_bs=pad_bs, dtype=dtype, vocab_limit=vocab_limit
+    )

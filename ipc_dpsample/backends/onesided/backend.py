@@ -48,7 +48,11 @@ __all__ = ["OnesidedBackend", "SwapPlan", "swap_block"]
 
 GATHER_BLOCK = 512
 _EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
-_KERNELS = ("dp_swap_push", "dp_gather_ll", "dp_swap_enter", "dp_swap_copy_out")
+_KERNELS = ("dp_swap_push", "dp_gather_ll", "dp_swap_enter", "dp_swap_copy_out", "dp_argmax")
+ARGMAX_BLOCK = 256  # DP_ARGMAX_BLOCK in onesided.cu
+#: argmax CTAs per SM: one CTA reduces one row at a time, and several ranks' CTAs
+#: share the SMs when ranks share a GPU
+ARGMAX_CTAS_PER_SM = 4
 
 
 def swap_block(chunk_bytes: int, tp: int, tuning: SwapTuning) -> int:
@@ -128,6 +132,7 @@ class OnesidedBackend(Backend):
         self._views = ViewCache(device, owner=self)
         self._swap_plans: dict[int, SwapPlan] = {}
         self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
+        self._argmax_plans: dict[tuple[int, int], PreparedLaunch] = {}
         # ranks that are threads of one process must not share a stream
         claim = getattr(group, "claim_stream", None) if cfg.tp_size > 1 else None
         self._threads = claim is not None
@@ -148,6 +153,7 @@ class OnesidedBackend(Backend):
         if logits_dtype != self._logits_dtype:
             self._logits_dtype = logits_dtype
             self._swap_plans.clear()
+            self._argmax_plans.clear()
             self._views.drop(lambda key: isinstance(key, tuple) and key[0] == "swap")
 
     def _begin(self, handle: int) -> bool:
@@ -303,6 +309,43 @@ class OnesidedBackend(Backend):
         ptr = self.arena.ptr + self.layout.out_off("logprobs")
         shape = (pad_bs, self.cfg.num_tokens_per_req)
         return self._views.get(info.kind, ("logprobs", pad_bs), ptr, shape, "float32")
+
+    # -- argmax -------------------------------------------------------------------
+    def argmax_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        vocab_limit: int,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, Any]:
+        handle = resolve_stream(info.kind, stream, self.device)
+        capturing = self._begin(handle)
+        cfg = self.cfg
+        dtype = self._logits_dtype
+        assert dtype is not None
+        launch = self._argmax_plans.get((pad_bs, vocab_limit))
+        if launch is None:
+            sig = self._sig(Op.ARGMAX, dtype, pad_bs)
+            rows = pad_bs * cfg.num_tokens_per_req
+            grid = max(1, min(rows, self._sm_count * ARGMAX_CTAS_PER_SM))
+            vs = cfg.vocab_size // cfg.tp_size
+            args = (0, 0, 0, self._desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig)
+            launch = self._launch("dp_argmax", grid, ARGMAX_BLOCK, args, 3)
+            self._argmax_plans[(pad_bs, vocab_limit)] = launch
+        self._issue((launch,), handle, (info.ptr, bs.ptr, bs.bs), Op.ARGMAX)
+        if not self._graphed:
+            self._host_epoch += 1
+        self._guard.end(handle, capturing)
+        base, lay = self.arena.ptr, self.layout
+        shape = (pad_bs // cfg.tp_size * cfg.num_tokens_per_req,)
+        specs = (
+            (base + lay.out_off("argmax_ids"), shape, "int32"),
+            (base + lay.out_off("argmax_logprobs"), shape, "float32"),
+        )
+        return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
 
     # -- tests --------------------------------------------------------------------
     def poison_for_testing(self, byte: int = 0xFF) -> None:
