@@ -206,9 +206,13 @@ def _argmax_row_stats(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         m = x.max(axis=1)
         finite_max = np.isfinite(m)
         shifted = np.where(finite_max[:, None], x - np.where(finite_max, m, 0)[:, None], np.nan)
-        lse = m + np.log(np.exp(shifted).sum(axis=1))
+        # (x - max) - log(sum exp(x - max)), as torch.log_softmax orders it: forming
+        # max + log(sum) first would lose log(sum) next to a max of 1e38
+        log_sum = np.log(np.exp(shifted).sum(axis=1))
         chosen = x[np.arange(len(x)), idx]
-        lp = np.where(finite_max & ~any_nan, chosen - lse, np.nan)
+        lp = np.where(
+            finite_max & ~any_nan, (chosen - np.where(finite_max, m, 0)) - log_sum, np.nan
+        )
     return idx.astype(np.int32), lp.astype(np.float32)
 
 

@@ -674,7 +674,7 @@ def ipc_injection_body(rank: int, tp: int, group: Any) -> dict[str, dict[str, An
     the error type and message)."""
     import torch
 
-    import ipc_dpsample.comm as comm_module
+    import ipc_dpsample.rendezvous as comm_module  # where the facts are collected
     from ipc_dpsample.group import TorchStoreGroup
 
     torch.cuda.set_device(0)

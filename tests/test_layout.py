@@ -145,3 +145,69 @@ def test_layout_shapes(tp: int, pad_bs: int, n: int, shard: int) -> None:
     rows_in, cols_in = lay.swap_input_shape(pad_bs)
     rows_out, cols_out = lay.swap_output_shape(pad_bs)
     assert rows_in * cols_in == rows_out * cols_out
+
+
+# -- argmax: the NumPy reference against torch on the contract's special rows ----------
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_argmax_reference_equals_torch_argmax_and_log_softmax(tp: int, dtype: str) -> None:
+    import torch
+    from _gpu_common import argmax_inputs, reference_argmax
+
+    n, vs = 3, 21
+    pad_bs = 4 * tp
+    for seed, limit in ((1, tp * vs), (2, tp * vs - 5), (3, min(vs + 1, tp * vs)), (4, 1)):
+        x = argmax_inputs(seed, tp, pad_bs, n, vs, dtype, limit)
+        out = reference_argmax(x, tp, pad_bs, n, dtype, limit)
+        full = x.permute(1, 0, 2).reshape(pad_bs * n, tp * vs)[:, :limit].float()
+        ids = torch.argmax(full, dim=1)
+        lps = torch.log_softmax(full, dim=1).gather(1, ids[:, None])[:, 0]
+        rows = pad_bs // tp * n
+        for r, (got_ids, got_lps) in enumerate(out):
+            want = slice(r * rows, (r + 1) * rows)
+            assert got_ids.dtype == np.int32 and got_lps.dtype == np.float32
+            np.testing.assert_array_equal(got_ids, ids[want].numpy())
+            np.testing.assert_allclose(got_lps, lps[want].numpy(), atol=1e-5, equal_nan=True)
+
+
+def test_argmax_reference_special_rows() -> None:
+    from ipc_dpsample.layout import reference_argmax_batch_vocab
+
+    inf, nan = np.inf, np.nan
+    # tp=2, one request of N=5 rows, V/tp=3: the full row is shard 0 then shard 1
+    s0 = np.array(
+        [[1, 2, 9], [1, nan, 2], [-inf, -inf, -inf], [0, 0, 0], [3e38, 3e38, 1]], np.float32
+    )
+    s1 = np.array([[9, 0, 0], [nan, 5, 5], [-inf, -inf, -inf], [0, 0, 0], [3e38, 0, 0]], np.float32)
+    pad = np.zeros((5, 3), np.float32)  # the second request's rows (rank 1's)
+    (ids, lps), _ = reference_argmax_batch_vocab(
+        [np.concatenate([s0, pad]), np.concatenate([s1, pad])],
+        tp=2,
+        num_tokens_per_req=5,
+        pad_bs=2,
+        dtype="float32",
+    )
+    assert ids.tolist() == [2, 1, 0, 0, 0]  # tie across the boundary: the lower index
+    row0 = -np.log(2 + np.exp(-8) + np.exp(-7) + 2 * np.exp(-9))  # [1, 2, 9 | 9, 0, 0]
+    np.testing.assert_allclose(lps[[0, 3, 4]], [row0, -np.log(6), -np.log(3)], rtol=1e-6)
+    assert np.isnan(lps[1]) and np.isnan(lps[2])  # a NaN row, an all -inf row
+    limited = reference_argmax_batch_vocab(
+        [np.concatenate([s0, pad]), np.concatenate([s1, pad])],
+        tp=2,
+        num_tokens_per_req=5,
+        pad_bs=2,
+        dtype="float32",
+        vocab_limit=2,
+    )[0][0]
+    assert limited.tolist() == [1, 1, 0, 0, 0]  # columns >= 2 never win
+    with pytest.raises(ValueError, match="vocab_limit=7"):
+        reference_argmax_batch_vocab([s0, s1], tp=2, num_tokens_per_req=5, pad_bs=2,
+                                     dtype="float32", vocab_limit=7)  # fmt: skip
+
+
+@pytest.mark.parametrize(("bs", "expect"), [(None, [3, 3, 3]), (0, [0, 0, 0]), (4, [3, 1, 0])])
+def test_real_reqs_is_a_prefix_split_across_ranks(bs: int | None, expect: list[int]) -> None:
+    from ipc_dpsample.layout import real_reqs
+
+    assert [real_reqs(3, bs, r) for r in range(3)] == expect
+    assert sum(real_reqs(3, 7, r) for r in range(3)) == 7

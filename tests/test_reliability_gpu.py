@@ -440,13 +440,18 @@ def test_fuzz_bad_inputs_on_cuda_raise_only_value_or_type_error(backend: str) ->
             comm = comms["bfloat16"]
             case = data.draw(_case_strategy(st, lambda p: [(p, FUZZ_N)], ("float32",)))
             (lp,) = case["arrays"]
+            # a strided float32 torch/CuPy array is made contiguous for the caller (as
+            # TokenSpeed does); the other faults still raise
+            accepted = case["fault"] is None or (
+                case["fault"] == "strides" and case["framework"] in ("torch", "cupy")
+            )
             out = _expect(
-                case,
+                {**case, "fault": None} if accepted else case,
                 ("logprobs_local",),
                 ("float32",),
                 lambda: comm.gather_verify_logprobs(lp, pad_bs=case["pad_bs"]),
             )
-            if case["fault"] is None:
+            if accepted:
                 _sync(comm)
                 _assert_same(out, lp)
             _round_trip(comm, "torch", data.draw(st.integers(0, 10**6)))
@@ -482,14 +487,9 @@ def test_fuzz_bad_inputs_on_cuda_raise_only_value_or_type_error(backend: str) ->
             comm = comms[which]
             before = comm.logits_dtype
             if ok:
-                given_dtype, name = good
-                if which == "fixed16" and name == "float32":  # needs larger buffers
-                    with pytest.raises(ValueError, match="float32"):
-                        comm.prepare_verify_outputs(given_dtype)
-                    assert comm.logits_dtype == before
-                else:
-                    comm.prepare_verify_outputs(given_dtype)
-                    assert comm.logits_dtype == name
+                given_dtype, _ = good
+                comm.prepare_verify_outputs(given_dtype)  # the first dtype wins: a no-op
+                assert comm.logits_dtype == before
             else:
                 with pytest.raises((TypeError, ValueError), match="dtype"):
                     comm.prepare_verify_outputs(bad)
