@@ -201,8 +201,14 @@ def test_argmax_reference_special_rows() -> None:
     )[0][0]
     assert limited.tolist() == [1, 1, 0, 0, 0]  # columns >= 2 never win
     with pytest.raises(ValueError, match="vocab_limit=7"):
-        reference_argmax_batch_vocab([s0, s1], tp=2, num_tokens_per_req=5, pad_bs=2,
-                                     dtype="float32", vocab_limit=7)  # fmt: skip
+        reference_argmax_batch_vocab(
+            [np.concatenate([s0, pad]), np.concatenate([s1, pad])],
+            tp=2,
+            num_tokens_per_req=5,
+            pad_bs=2,
+            dtype="float32",
+            vocab_limit=7,
+        )
 
 
 @pytest.mark.parametrize(("bs", "expect"), [(None, [3, 3, 3]), (0, [0, 0, 0]), (4, [3, 1, 0])])
