@@ -29,19 +29,20 @@ import pytest
 
 from ipc_dpsample import BackendUnavailableError, DpSampleError, DpSamplingComm, ThreadGroup
 from ipc_dpsample.arrays import describe
+from ipc_dpsample.backends.base import RealRows
 from ipc_dpsample.backends.nccl import (
     ERROR_BYTES,
     ERROR_WORDS,
     HDR_WORDS,
-    OP_GATHER_LOGPROBS,
-    OP_GATHER_OUTPUTS,
     NcclBackend,
-    format_mismatch,
+    format_error_block,
     packed_width,
     permute_launch,
-    swap_tag,
+    permute_name,
     vector_width,
 )
+from ipc_dpsample.backends.nccl.geometry import NAME_EXPRESSIONS
+from ipc_dpsample.backends.nccl.plan import tag_of
 from ipc_dpsample.config import CommConfig
 from ipc_dpsample.identity import cupy_device_count, nccl_available
 from ipc_dpsample.layout import (
@@ -49,9 +50,18 @@ from ipc_dpsample.layout import (
     reference_gather_verify_outputs,
     reference_swap_batch_vocab,
 )
+from ipc_dpsample.protocol import Call, Dtype, Op
 from ipc_dpsample.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
+
+OP_GATHER_OUTPUTS, OP_GATHER_LOGPROBS = int(Op.GATHER_OUTPUTS), int(Op.GATHER_LOGPROBS)
+DIVERGED = r"call sequences diverged"
+
+
+def swap_tag(dtype: str) -> int:
+    return tag_of(Op.SWAP, Dtype.of(dtype))
+
 
 _BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
 _SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
@@ -180,18 +190,44 @@ class _BackendOps:
     def __init__(self, backend: NcclBackend):
         self.backend = backend
 
-    def swap_batch_vocab(self, x: Any, *, pad_bs: int, stream: Any = None) -> Any:
-        return self.backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, stream=stream)
+    def swap_batch_vocab(
+        self, x: Any, *, pad_bs: int, bs: RealRows | None = None, stream: Any = None
+    ) -> Any:
+        return self.backend.swap_batch_vocab(x, describe(x), pad_bs=pad_bs, bs=bs, stream=stream)
 
     def gather_verify_outputs(
-        self, p: Any, a: Any, ln: Any, *, pad_bs: int, stream: Any = None
+        self,
+        p: Any,
+        a: Any,
+        ln: Any,
+        *,
+        pad_bs: int,
+        bs: RealRows | None = None,
+        stream: Any = None,
     ) -> tuple[Any, Any, Any]:
         return self.backend.gather_verify_outputs(
-            p, a, ln, describe(p), pad_bs=pad_bs, stream=stream
+            p, a, ln, describe(p), pad_bs=pad_bs, bs=bs, stream=stream
         )
 
-    def gather_verify_logprobs(self, lp: Any, *, pad_bs: int, stream: Any = None) -> Any:
-        return self.backend.gather_verify_logprobs(lp, describe(lp), pad_bs=pad_bs, stream=stream)
+    def gather_verify_logprobs(
+        self, lp: Any, *, pad_bs: int, bs: RealRows | None = None, stream: Any = None
+    ) -> Any:
+        return self.backend.gather_verify_logprobs(
+            lp, describe(lp), pad_bs=pad_bs, bs=bs, stream=stream
+        )
+
+    def argmax_batch_vocab(
+        self,
+        x: Any,
+        *,
+        pad_bs: int,
+        vocab_limit: int,
+        bs: RealRows | None = None,
+        stream: Any = None,
+    ) -> tuple[Any, Any]:
+        return self.backend.argmax_batch_vocab(
+            x, describe(x), pad_bs=pad_bs, vocab_limit=vocab_limit, bs=bs, stream=stream
+        )
 
     def check(self) -> None:
         self.backend.check()
@@ -414,17 +450,13 @@ class _Kernels:
         from ipc_dpsample.kernel_cache import get_kernel
 
         self.cupy = cupy
-        self.get = lambda name: get_kernel("nccl.cu", name, _device())
+        self.get = lambda name: get_kernel(
+            "nccl.cu", name, _device(), name_expressions=NAME_EXPRESSIONS
+        )
 
-    def ctrl(self, rmax: int, tp: int, n: int, dtype: str, seq: int) -> Any:
-        """Counter word (+ padding) then the swap-header table [rmax][4]."""
-        table = np.zeros((rmax + 1, HDR_WORDS), dtype=np.int32)
-        table[0, 0] = seq
-        table[1:, 0] = swap_tag(dtype)
-        table[1:, 1] = np.arange(1, rmax + 1) * tp
-        table[1:, 2] = n
-        table[1:, 3] = seq
-        return self.cupy.asarray(table.reshape(-1))
+    def counter(self, seq: int) -> Any:
+        """The op counter word (+ padding)."""
+        return self.cupy.asarray(np.array([seq, -1, -1, -1], dtype=np.int32))
 
 
 @pytest.mark.parametrize(
@@ -445,7 +477,7 @@ def test_permute_kernel_layout_and_header_check(
     k = _Kernels()
     cupy = k.cupy
     rng = np.random.default_rng(7 + tp + vs)
-    n, r, rmax, seq = 3, 2, 4, 41
+    n, r, seq = 3, 2, 41
     pad_bs = r * tp
     rows = r * n
     itemsize = np.dtype(_BITS[dtype]).itemsize
@@ -458,8 +490,9 @@ def test_permute_kernel_layout_and_header_check(
     staging = cupy.asarray(staging_np)
     x = cupy.asarray(inputs[me])
     out = cupy.full((rows, tp * vs), 0x7E7E, dtype=_BITS[dtype])
-    ctrl = k.ctrl(rmax, tp, n, dtype, seq)
-    my_hdr_np = np.array([swap_tag(dtype), pad_bs, n, seq], dtype=np.int32)
+    counter = k.counter(seq)
+    my_hdr_np = np.array([swap_tag(dtype), pad_bs, pad_bs, seq], dtype=np.int32)
+    my_hdr = cupy.asarray(my_hdr_np)
     hdr_recv_np = np.tile(my_hdr_np, (tp, 1))
     bad = (me + 1) % tp
     if mismatch:
@@ -471,41 +504,38 @@ def test_permute_kernel_layout_and_header_check(
     self_src = 0 if route_self else x.data.ptr + me * rows * rowbytes
     width = vector_width(rowbytes, out.data.ptr, staging.data.ptr, self_src)
     launch = permute_launch(rows, tp, rowbytes, width)
-    names = {16: "w16", 8: "w8", 4: "w4", 2: "w2", 1: "w1"}
-    table_ptr = ctrl.data.ptr + 4 * HDR_WORDS
-    k.get(f"nccl_permute_{names[width]}")(
+    k.get(permute_name(width))(
         (launch.grid,),
         (launch.block,),
         (
+            self_src,
             out.data.ptr,
             staging.data.ptr,
-            self_src,
             self_rank,
             tp,
             rows,
             rowbytes,
             launch.tps_log2,
+            r,
+            n,
             hdr_recv.data.ptr,
-            table_ptr + (r - 1) * 4 * HDR_WORDS,
-            table_ptr,
-            rmax,
-            ctrl.data.ptr,
+            my_hdr.data.ptr,
+            counter.data.ptr,
             err.data.ptr,
             me,
         ),
     )
     _sync()
     np.testing.assert_array_equal(cupy.asnumpy(out), expected)
-    ctrl_np = cupy.asnumpy(ctrl).reshape(rmax + 1, HDR_WORDS)
-    assert ctrl_np[0, 0] == seq + 1
-    assert (ctrl_np[1:, 3] == seq + 1).all()
+    assert cupy.asnumpy(counter).tolist() == [seq + 1, -1, -1, -1]
     words = cupy.asnumpy(err).tolist()
     if mismatch:
         assert words[:4] == [1, 1, me, bad]
         assert words[4:8] == my_hdr_np.tolist()
         assert words[8:12] == hdr_recv_np[bad].tolist()
-        msg = format_mismatch(words)
-        assert f"rank {me}: swap_batch_vocab found rank {bad} in a different call" in msg
+        msg = format_error_block(words, n)
+        assert f"rank {bad} called swap_batch_vocab(pad_bs={pad_bs}, bs={pad_bs}" in msg
+        assert f"seen by rank {me})" in msg
     else:
         assert words == [0] * ERROR_WORDS
 
@@ -521,13 +551,13 @@ def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
     rng = np.random.default_rng(11 + tp)
     n, max_pad_bs, seq = 4, 4 * tp, 9
     pad_bs = 2 * tp
-    r, rmax = pad_bs // tp, max_pad_bs // tp
+    r = pad_bs // tp
     width = packed_width(max_pad_bs, tp, n)
     p = [_int32s(rng, (r, n)) for _ in range(tp)]
     a = [_int32s(rng, (r, n)) for _ in range(tp)]
     ln = [_int32s(rng, (r,)) for _ in range(tp)]
     recv = cupy.full((tp, width), -7, dtype=cupy.int32)
-    ctrls = [k.ctrl(rmax, tp, n, "bfloat16", seq) for _ in range(tp)]
+    counters = [k.counter(seq) for _ in range(tp)]
     for src in range(tp):
         dp, da, dl = (cupy.asarray(v[src]) for v in (p, a, ln))
         their_pad = pad_bs + tp if (mismatch == "pad_bs" and src == tp - 1) else pad_bs
@@ -536,22 +566,23 @@ def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
             (1,),
             (256,),
             (
-                recv.data.ptr + src * width * 4,
                 dp.data.ptr,
-                r * n,
                 da.data.ptr,
-                r * n,
                 dl.data.ptr,
+                their_pad,
+                0,
+                recv.data.ptr + src * width * 4,
+                r * n,
+                r * n,
                 r,
                 op,
                 their_pad,
-                n,
-                ctrls[src].data.ptr,
+                counters[src].data.ptr,
             ),
         )
     _sync()
     slots = cupy.asnumpy(recv)
-    assert slots[0, :HDR_WORDS].tolist() == [OP_GATHER_OUTPUTS, pad_bs, n, seq]
+    assert slots[0, :HDR_WORDS].tolist() == [OP_GATHER_OUTPUTS, pad_bs, pad_bs, seq]
     body = slots[0, HDR_WORDS:]
     np.testing.assert_array_equal(body[: r * n], p[0].reshape(-1))
     np.testing.assert_array_equal(body[r * n : 2 * r * n], a[0].reshape(-1))
@@ -561,8 +592,7 @@ def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
     outs = [cupy.full(shape, -1, dtype=cupy.int32) for shape in ((max_pad_bs, n),) * 2]
     outs.append(cupy.full((max_pad_bs,), -1, dtype=cupy.int32))
     err = cupy.zeros(ERROR_WORDS, dtype=cupy.int32)
-    ctrl = ctrls[0]
-    table = ctrl.data.ptr + 4 * HDR_WORDS
+    counter = counters[0]
     per = 2 * r * n + r
     k.get("nccl_unpack")(
         (max(1, -(-tp * per // 256)),),
@@ -578,9 +608,7 @@ def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
             r * n,
             outs[2].data.ptr,
             r,
-            table,
-            rmax,
-            ctrl.data.ptr,
+            counter.data.ptr,
             err.data.ptr,
         ),
     )
@@ -588,15 +616,14 @@ def test_pack_allgather_unpack_kernels(tp: int, mismatch: str | None) -> None:
     for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
         np.testing.assert_array_equal(cupy.asnumpy(got)[:pad_bs], want)
         assert (cupy.asnumpy(got)[pad_bs:] == -1).all()
-    ctrl_np = cupy.asnumpy(ctrl).reshape(rmax + 1, HDR_WORDS)
-    assert ctrl_np[0, 0] == seq + 1 and (ctrl_np[1:, 3] == seq + 1).all()
+    assert int(cupy.asnumpy(counter)[0]) == seq + 1
     words = cupy.asnumpy(err).tolist()
     if mismatch is None:
         assert words == [0] * ERROR_WORDS
     else:
         assert words[:4] == [1, OP_GATHER_OUTPUTS, 0, tp - 1]
-        msg = format_mismatch(words)
-        assert f"rank 0: gather_verify_outputs found rank {tp - 1} in a different call" in msg
+        msg = format_error_block(words, n)
+        assert "seen by rank 0)" in msg
         if mismatch == "pad_bs":
             assert f"rank {tp - 1} called gather_verify_outputs(pad_bs={pad_bs + tp}," in msg
         else:
@@ -678,24 +705,13 @@ def test_tp1_reported_error_is_raised_by_check_and_every_later_call() -> None:
         backend = comm._backend
         assert isinstance(backend, NcclBackend)
         comm.check()
-        words = [
-            1,
-            OP_GATHER_OUTPUTS,
-            0,
-            1,
-            OP_GATHER_OUTPUTS,
-            4,
-            3,
-            2,
-            OP_GATHER_LOGPROBS,
-            4,
-            3,
-            2,
-        ]
+        mine = Call(Op.GATHER_OUTPUTS, Dtype.INT32, 4, bs=4, seq=2).header()
+        theirs = Call(Op.GATHER_LOGPROBS, Dtype.INT32, 4, bs=4, seq=2).header()
+        words = [1, OP_GATHER_OUTPUTS, 0, 1, *mine, *theirs]
         ctypes.memmove(
             backend._err_host, struct.pack(f"<{ERROR_WORDS}i", *words, 0, 0, 0, 0), ERROR_BYTES
         )
-        pattern = r"rank 0: gather_verify_outputs found rank 1 in a different call"
+        pattern = r"rank 1 called gather_verify_logprobs\(pad_bs=4, bs=4, N=3\) #2 while rank 0"
         with pytest.raises(DpSampleError, match=pattern):
             comm.check()
         import cupy
@@ -791,10 +807,10 @@ def gather_mismatch_body(rank: int, world: int, group: Any, what: str) -> str:
         else:
             comm.gather_verify_outputs(ints, ints + 1, ints[:, 0].copy(), pad_bs=pad_bs)
         _sync()
-        with pytest.raises(DpSampleError, match=r"in a different call") as info:
+        with pytest.raises(DpSampleError, match=DIVERGED) as info:
             comm.check()
         # sticky, and raised before any NCCL call (so no rank can hang in the next op)
-        with pytest.raises(DpSampleError, match=r"in a different call"):
+        with pytest.raises(DpSampleError, match=DIVERGED):
             comm.gather_verify_logprobs(ints.astype(cupy.float32), pad_bs=pad_bs)
         return str(info.value)
     finally:
@@ -807,7 +823,7 @@ def gather_mismatch_body(rank: int, world: int, group: Any, what: str) -> str:
 def test_multirank_gather_mismatch_raises_on_every_rank(world: int, what: str) -> None:
     msgs = _run(world, gather_mismatch_body, what)
     for rank, msg in enumerate(msgs):
-        assert msg.startswith(f"rank {rank}: "), msg
+        assert f"seen by rank {rank})" in msg, msg
         if what == "op":
             assert "gather_verify_logprobs" in msg and "gather_verify_outputs" in msg
         else:
@@ -829,7 +845,7 @@ def swap_dtype_mismatch_body(rank: int, world: int, group: Any) -> str:
         x = torch.ones(pad_bs * 3, 8, dtype=_torch_dtype(dtype), device=f"cuda:{dev}")
         comm.swap_batch_vocab(x, pad_bs=pad_bs)
         torch.cuda.synchronize()
-        with pytest.raises(DpSampleError, match=r"swap_batch_vocab found rank \d+") as info:
+        with pytest.raises(DpSampleError, match=r"rank \d+ called swap_batch_vocab") as info:
             comm.check()
         return str(info.value)
     finally:
@@ -843,7 +859,7 @@ def test_multirank_swap_dtype_mismatch_raises_on_every_rank(world: int) -> None:
     _require_torch_cuda()
     msgs = _run(world, swap_dtype_mismatch_body)
     for rank, msg in enumerate(msgs):
-        assert msg.startswith(f"rank {rank}: ")
+        assert f"seen by rank {rank})" in msg
         assert "bfloat16" in msg and "float16" in msg
 
 
