@@ -7,6 +7,7 @@ import pytest
 
 from ipc_dpsample import BackendUnavailableError
 from ipc_dpsample.backends.nccl import packed_width, permute_launch, swap_moves, vector_width
+from ipc_dpsample.backends.nccl.geometry import argmax_buffer_bytes, argmax_slots
 from ipc_dpsample.layout import real_reqs
 from ipc_dpsample.select import Facts, select_backend
 
@@ -102,3 +103,22 @@ def test_auto_falls_back_to_torch_across_hosts_without_nccl() -> None:
 def test_explicit_nccl_on_cpu_data_is_refused() -> None:
     with pytest.raises(BackendUnavailableError, match=r"backend='nccl' cannot run: the data is on"):
         select_backend(Facts(requested="nccl", device_kind="cpu"))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
+def test_argmax_slots_alias_only_the_own_block(tp: int) -> None:
+    """The own receive slot is the own send block; every other receive slot lies
+    outside the send region and the other slots; all within the buffer."""
+    chunk_max = 36
+    for chunk in (12, chunk_max):
+        for rank in range(tp):
+            send, recv, stride = argmax_slots(tp, rank, chunk)
+            assert recv + rank * stride == send + rank * chunk
+            slots = [(recv + s * stride, recv + s * stride + chunk) for s in range(tp)]
+            for s, (lo, hi) in enumerate(slots):
+                assert 0 <= lo and hi <= argmax_buffer_bytes(tp, chunk_max)
+                if s != rank:
+                    assert hi <= send or lo >= send + tp * chunk
+                for t, (lo2, hi2) in enumerate(slots):
+                    assert t == s or hi <= lo2 or hi2 <= lo
+            assert 0 <= send and send + tp * chunk <= argmax_buffer_bytes(tp, chunk_max)

@@ -1,7 +1,7 @@
 """The CUDA kernels of ``kernels/`` built with g++ and run on the CPU.
 
-The kernel sources include no toolkit header, so g++ builds them with a few
-definitions: one ``std::thread`` per CUDA thread, ``std::barrier`` for
+``kernels/nccl.cu`` and ``kernels/argmax.cu`` include no toolkit header, so g++
+builds them with a few definitions: one ``std::thread`` per CUDA thread, ``std::barrier`` for
 ``__syncthreads``, blocks in turn, one kernel at a time. :func:`launch_params` is
 the emulated ``cuLaunchKernel``: it takes the kernel's name and the same
 ``void**`` parameter block (every argument 8 bytes) that
@@ -25,6 +25,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 _SOURCE = r"""
 #include <barrier>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -41,8 +42,11 @@ std::barrier<>* g_barrier = nullptr;
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 inline void __threadfence_system() {}
 inline void __threadfence() {}
+#define DP_ARGMAX_CPU_EMULATION 1
+#define __shared__ static
+#define __expf(x) std::exp(static_cast<float>(x))
 #include "nccl.cu"
-@EXTRA_INCLUDES@
+#include "argmax.cu"
 static std::mutex g_launch;  // one kernel at a time (ranks may be threads of this process)
 static void launch(int grid, int block, const std::function<void()>& body) {
   std::lock_guard<std::mutex> lock(g_launch);
@@ -82,7 +86,14 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
     body = [a]() {
       nccl_unpack(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
     };
-@EXTRA_DISPATCH@
+  else if (k == "dp_argmax_partials")
+    body = [a]() {
+      dp_argmax_partials(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]);
+    };
+  else if (k == "dp_argmax_combine")
+    body = [a]() {
+      dp_argmax_combine(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9]);
+    };
   else return -1;
   launch(grid, block, body);
   return 0;
@@ -96,12 +107,9 @@ ARITY: dict[str, int] = {
     "nccl_finish": 7,
     "nccl_pack": 12,
     "nccl_unpack": 12,
+    "dp_argmax_partials": 11,
+    "dp_argmax_combine": 10,
 }
-
-#: Extra sources (``#include`` lines) and dispatch branches, e.g. for kernels that
-#: other files add; kept here so that every emulated kernel is built once.
-EXTRA_INCLUDES: list[str] = []
-EXTRA_DISPATCH: list[str] = []
 
 
 class Emulator:
@@ -133,14 +141,12 @@ class Emulator:
 
 
 @functools.cache
-def _build(extra_includes: tuple[str, ...], extra_dispatch: tuple[str, ...]) -> Emulator | str:
+def _build() -> Emulator | str:
     gxx = shutil.which("g++")
     if gxx is None:
         return "needs g++ (C++20) to emulate the kernels on the CPU"
     work = Path(tempfile.mkdtemp(prefix="dp_emulator_"))
-    src = _SOURCE.replace("@EXTRA_INCLUDES@", "\n".join(extra_includes))
-    src = src.replace("@EXTRA_DISPATCH@", "\n".join(extra_dispatch))
-    (work / "emulate.cpp").write_text(src)
+    (work / "emulate.cpp").write_text(_SOURCE)
     lib_path = work / "libemulation.so"
     cmd = [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
     cmd += [str(work / "emulate.cpp"), "-o", str(lib_path), "-lpthread"]
@@ -153,7 +159,7 @@ def _build(extra_includes: tuple[str, ...], extra_dispatch: tuple[str, ...]) -> 
 
 def emulator() -> Emulator:
     """The emulator (built once per process); skips the test where g++ cannot."""
-    built = _build(tuple(EXTRA_INCLUDES), tuple(EXTRA_DISPATCH))
+    built = _build()
     if isinstance(built, str):
         pytest.skip(built)
     return built

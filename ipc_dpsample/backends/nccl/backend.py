@@ -17,7 +17,7 @@ from ...protocol import Dtype, Op
 from ..base import Backend, RealRows
 from ..common import InFlightGuard, ViewCache, array_ptr
 from .geometry import packed_width
-from .plan import GatherPlan, SwapPlan
+from .plan import ArgmaxPlan, GatherPlan, SwapPlan
 from .records import (
     ERROR_BYTES,
     ERROR_WORDS,
@@ -84,13 +84,18 @@ class NcclBackend(NcclSetup, Backend):
         self.rmax = cfg.max_pad_bs // self.tp
         self.width = packed_width(cfg.max_pad_bs, self.tp, cfg.num_tokens_per_req)
         self._max_itemsize = ITEMSIZE[cfg.logits_dtype] if cfg.logits_dtype is not None else 4
-        self._plans: list[dict[Any, Any]] = [self._swap_plans, self._gather_plans]
+        self._argmax_plans: dict[tuple[int, int], ArgmaxPlan] = {}
+        self._plans: list[dict[Any, Any]] = [
+            self._swap_plans,
+            self._gather_plans,
+            self._argmax_plans,
+        ]
         self._set_up()
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
     def prepare(self, logits_dtype: str) -> None:
-        """Make the swap ready for ``logits_dtype`` (host only: no device
+        """Make the swap and argmax ready for ``logits_dtype`` (host only: no device
         work, so it may be called between graph captures).
 
         Raises
@@ -109,6 +114,7 @@ class NcclBackend(NcclSetup, Backend):
             )
         self.logits_dtype = logits_dtype
         self._swap_plans.clear()
+        self._argmax_plans.clear()
         self._views.drop(lambda key: key[0] == "swap")
 
     # -- per-call plumbing --------------------------------------------------------------
@@ -138,11 +144,12 @@ class NcclBackend(NcclSetup, Backend):
             self._runtime.setDevice(prev)
 
     def _exchange(
-        self, what: str, moves: Any, send_base: int, recv_base: int, chunk: int, handle: int
+        self, what: str, moves: Any, send_base: int, recv_base: int, stride: int, handle: int
     ) -> None:
-        """One NCCL group: per peer step of ``moves`` (:func:`~.geometry.swap_moves`)
-        this rank's 16-byte header, then the data (uint8); zero-byte data steps are
-        left out on both sides."""
+        """One NCCL group: per peer step ``(dst, send_offset, nbytes, src, rbytes)`` of
+        ``moves`` (:func:`~.geometry.swap_moves`) this rank's 16-byte header, then the
+        data (uint8) from ``send_base + send_offset``, received at ``recv_base + src *
+        stride``; zero-byte data steps are left out on both sides."""
         nccl, comm = self._nccl, self._comm
         u8 = nccl.NCCL_UINT8
         hdr, hdr_recv = self.ptr["my_hdr"], self.ptr["hdr_recv"]
@@ -155,7 +162,7 @@ class NcclBackend(NcclSetup, Backend):
                     if nbytes:
                         comm.send(send_base + off, nbytes, u8, dst, handle)
                     if rbytes:
-                        comm.recv(recv_base + src * chunk, rbytes, u8, src, handle)
+                        comm.recv(recv_base + src * stride, rbytes, u8, src, handle)
             finally:
                 nccl.groupEnd()
         except nccl.NcclError as exc:
@@ -278,6 +285,62 @@ class NcclBackend(NcclSetup, Backend):
         return self._views.get(
             info.kind, ("logprobs", pad_bs), self.ptr["logprobs"], shape, "float32"
         )
+
+    def argmax_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        vocab_limit: int,
+        bs: RealRows | None = None,
+        stream: Any,
+    ) -> tuple[Any, Any]:
+        """``x[pad_bs*N, V/tp]`` -> views (token_ids int32 ``[R*N]``, logprobs float32
+        ``[R*N]``) of this rank's requests (see
+        :func:`ipc_dpsample.layout.reference_argmax_batch_vocab`).
+
+        ``nccl_header``; local partials ``[tp, R*N, 3]`` u32 of the real rows of the
+        whole input (phantom rows skipped); one NCCL group moving ``R*N*12`` bytes
+        (plus the 16-byte header) per peer pair; ``dp_argmax_combine`` into the
+        persistent outputs; ``nccl_finish`` (header check, seq): 4 launches. The byte
+        counts never depend on ``bs`` (host or device), so the call is CUDA-graph
+        capturable (a replay reads a device ``bs`` anew) and a ``bs`` or
+        ``vocab_limit``-independent mismatch of dtype/pad_bs/bs reaches the header
+        check. Rows of phantom requests are undefined.
+
+        Raises
+        ------
+        ValueError
+            ``vocab_limit`` outside ``1..V`` (first call of a shape).
+        """
+        bs = RealRows.every(pad_bs) if bs is None else bs
+        handle, capturing, prev = self._begin(info.kind, stream)
+        try:
+            key = (pad_bs, vocab_limit)
+            plan = self._argmax_plans.get(key)
+            if plan is None:
+                plan = self._argmax_plans[key] = ArgmaxPlan(self, pad_bs, vocab_limit)
+            plan.header(handle, bs.bs, bs.ptr)
+            plan.partials(handle, info.ptr)
+            if plan.moves:
+                self._exchange(
+                    "argmax_batch_vocab",
+                    plan.moves,
+                    plan.send_base,
+                    plan.recv_base,
+                    plan.recv_stride,
+                    handle,
+                )
+            plan.combine(handle)
+            plan.finish(handle)
+            self._end(handle, capturing)
+        finally:
+            self._restore(prev)
+        rn = pad_bs // self.tp * self.cfg.num_tokens_per_req
+        p = self.ptr
+        specs = ((p["token_ids"], (rn,), "int32"), (p["alogprobs"], (rn,), "float32"))
+        return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
 
     def check(self) -> None:
         """Raise the first header mismatch any kernel reported, then any asynchronous

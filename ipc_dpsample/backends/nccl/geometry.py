@@ -8,12 +8,17 @@ from dataclasses import dataclass
 from ...layout import real_reqs
 
 __all__ = [
+    "ARGMAX_KERNEL_NAMES",
+    "ARGMAX_SOURCE",
     "BLOCK",
     "KERNEL_NAMES",
     "NAME_EXPRESSIONS",
+    "PARTIAL_BYTES",
     "PERMUTE_TYPES",
     "SOURCE",
     "PermuteLaunch",
+    "argmax_buffer_bytes",
+    "argmax_slots",
     "linear_grid",
     "packed_width",
     "permute_launch",
@@ -38,8 +43,13 @@ def permute_name(width: int) -> str:
 
 #: Template instantiations compiled through ``RawModule(name_expressions=...)``.
 NAME_EXPRESSIONS = tuple(permute_name(w) for w in PERMUTE_TYPES)
-#: Every kernel the backend loads.
+#: Every kernel the backend loads from :data:`SOURCE`.
 KERNEL_NAMES = (*NAME_EXPRESSIONS, "nccl_header", "nccl_finish", "nccl_pack", "nccl_unpack")
+#: The argmax kernels (kernels/argmax.cu, shared with other backends).
+ARGMAX_SOURCE = "argmax.cu"
+ARGMAX_KERNEL_NAMES = ("dp_argmax_partials", "dp_argmax_combine")
+#: Bytes of one row's argmax partial: max bits, global index, sumexp bits (u32 each).
+PARTIAL_BYTES = 12
 
 
 def packed_width(max_pad_bs: int, tp: int, n: int) -> int:
@@ -140,3 +150,27 @@ def swap_moves(
         dst, src = (rank + k) % tp, (rank - k) % tp
         out.append((dst, dst * chunk, real_reqs(reqs, bs, dst) * n * rowbytes, src, mine))
     return tuple(out)
+
+
+def argmax_buffer_bytes(tp: int, chunk_max: int) -> int:
+    """Bytes of the argmax partials buffer that :func:`argmax_slots` lays out, for
+    per-peer blocks of at most ``chunk_max`` bytes."""
+    return 2 * tp * tp * chunk_max
+
+
+def argmax_slots(tp: int, rank: int, chunk: int) -> tuple[int, int, int]:
+    """Where the argmax partials live in one buffer: ``(send_offset, recv_offset,
+    stride)`` in bytes.
+
+    The partials kernel writes the send blocks ``[tp][chunk]`` (block ``p`` goes to
+    rank ``p``) at ``send_offset``; the block received from rank ``s`` lands at
+    ``recv_offset + s * stride``, which the combine kernel reads with one stride.
+    The receive slot of this rank IS its own send block (no copy, no self send),
+    and no other receive slot overlaps a send block or another receive slot:
+    ``stride = tp * chunk`` keeps the receive slots on both sides of the send
+    region. Everything fits in :func:`argmax_buffer_bytes`.
+    """
+    stride = tp * chunk
+    send = (tp - 1) * (tp - 1) * chunk
+    recv = send + rank * chunk - rank * stride
+    return send, recv, stride

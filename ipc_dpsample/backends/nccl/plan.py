@@ -12,12 +12,21 @@ from ...arrays import ITEMSIZE
 from ...protocol import Call, Dtype, Op
 from ..base import RealRows
 from ..common import PreparedLaunch
-from .geometry import BLOCK, linear_grid, permute_launch, permute_name, swap_moves, vector_width
+from .geometry import (
+    BLOCK,
+    PARTIAL_BYTES,
+    argmax_slots,
+    linear_grid,
+    permute_launch,
+    permute_name,
+    swap_moves,
+    vector_width,
+)
 
 if TYPE_CHECKING:
     from .backend import NcclBackend
 
-__all__ = ["GatherPlan", "Launcher", "SwapPlan", "tag_of"]
+__all__ = ["ArgmaxPlan", "GatherPlan", "Launcher", "SwapPlan", "tag_of"]
 
 Moves = tuple[tuple[int, int, int, int, int], ...]
 
@@ -176,3 +185,90 @@ class GatherPlan:
             b.err_dev,
         )
         self.unpack = b.launcher.prepare("nccl_unpack", linear_grid(b.tp * per), unpack_args, 0)
+
+
+class ArgmaxPlan:
+    """Every launch and peer step of ``argmax_batch_vocab`` for one ``pad_bs`` and
+    ``vocab_limit``.
+
+    The real-row count every kernel uses is the header's ``bs`` word (``my_hdr[2]``,
+    written by ``nccl_header`` from the host value or the device scalar), so the
+    partials and combine launches take nothing per call but the input pointer.
+
+    Attributes
+    ----------
+    header : PreparedLaunch
+        ``nccl_header``; per call ``(bs, bs_ptr)``.
+    partials : PreparedLaunch
+        ``dp_argmax_partials`` over the whole ``[pad_bs*N, V/tp]`` input (phantom
+        rows skipped); per call the input pointer.
+    combine, finish : PreparedLaunch
+        ``dp_argmax_combine`` into the persistent outputs; ``nccl_finish`` (header
+        check, seq). Nothing per call.
+    moves : tuple
+        Peer steps ``(dst, send_offset, nbytes, src, nbytes)``: ``R*N*12`` bytes per
+        pair whatever ``bs`` is; this rank's own block never travels.
+    send_base, recv_base, recv_stride : int
+        Device addresses / stride of :func:`~.geometry.argmax_slots`.
+
+    Raises
+    ------
+    ValueError
+        ``vocab_limit`` outside ``1..V``.
+    """
+
+    def __init__(self, backend: NcclBackend, pad_bs: int, vocab_limit: int):
+        b, cfg = backend, backend.cfg
+        if not 1 <= vocab_limit <= cfg.vocab_size:
+            raise ValueError(
+                f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={cfg.vocab_size}"
+            )
+        assert b.logits_dtype is not None
+        dtype = Dtype.of(b.logits_dtype)
+        n, tp, rank, reqs = cfg.num_tokens_per_req, b.tp, b.rank, pad_bs // b.tp
+        rn, vs = reqs * n, cfg.vocab_size // tp
+        chunk = rn * PARTIAL_BYTES
+        send, recv, stride = argmax_slots(tp, rank, chunk)
+        p, launcher = b.ptr, b.launcher
+        bs_word = p["my_hdr"] + 8
+        self.send_base, self.recv_base, self.recv_stride = (
+            p["abuf"] + send,
+            p["abuf"] + recv,
+            stride,
+        )
+        self.header = launcher.header(tag_of(Op.ARGMAX, dtype), pad_bs, p["my_hdr"], p["counter"])
+        rows = pad_bs * n
+        self.partials = launcher.prepare(
+            "dp_argmax_partials",
+            max(1, min(65535, rows)),
+            (0, rows, vs, rank * vs, vocab_limit, int(dtype), n, 0, bs_word, 0, self.send_base),
+            1,
+        )
+        self.combine = launcher.prepare(
+            "dp_argmax_combine",
+            linear_grid(rn),
+            (
+                self.recv_base,
+                tp,
+                rn,
+                stride // 4,
+                p["token_ids"],
+                p["alogprobs"],
+                n,
+                rank * reqs,
+                bs_word,
+                0,
+            ),
+            0,
+        )
+        self.finish = launcher.prepare(
+            "nccl_finish",
+            1,
+            (p["hdr_recv"], tp, rank, p["my_hdr"], p["counter"], b.err_dev, rank),
+            0,
+            block=1,
+        )
+        self.moves = tuple(
+            ((rank + k) % tp, (rank + k) % tp * chunk, chunk, (rank - k) % tp, chunk)
+            for k in range(1, tp)
+        )

@@ -19,7 +19,15 @@ from ...errors import BackendUnavailableError
 from ...group import HostGroup
 from ...identity import gpu_uuid
 from ..common import InFlightGuard, ViewCache
-from .geometry import KERNEL_NAMES, NAME_EXPRESSIONS, SOURCE
+from .geometry import (
+    ARGMAX_KERNEL_NAMES,
+    ARGMAX_SOURCE,
+    KERNEL_NAMES,
+    NAME_EXPRESSIONS,
+    PARTIAL_BYTES,
+    SOURCE,
+    argmax_buffer_bytes,
+)
 from .plan import Launcher
 from .records import (
     ERROR_BYTES,
@@ -127,7 +135,10 @@ class NcclSetup:
 
         with cupy.cuda.Device(self.device):
             mod = get_module(SOURCE, self.device, name_expressions=NAME_EXPRESSIONS)
-            self.launcher = Launcher({k: mod.get_function(k) for k in KERNEL_NAMES}, self.device)
+            kernels = {k: mod.get_function(k) for k in KERNEL_NAMES}
+            argmax = get_module(ARGMAX_SOURCE, self.device)
+            kernels.update((k, argmax.get_function(k)) for k in ARGMAX_KERNEL_NAMES)
+            self.launcher = Launcher(kernels, self.device)
             self._allocate()
             self._guard = InFlightGuard(self.device, self.rank)
 
@@ -139,13 +150,17 @@ class NcclSetup:
             self._alloc("staging", swap_bytes)  # [tp, R*N, V/tp] bytes
         self._alloc("out_swap", swap_bytes)  # [R*N, V]
         self._alloc("hdr_recv", tp * HDR_BYTES)  # [tp, 4] int32 headers received
-        self._alloc("my_hdr", HDR_BYTES)  # this rank's swap header
+        self._alloc("my_hdr", HDR_BYTES)  # this rank's swap/argmax header
         self._alloc("counter", HDR_BYTES)  # int32 op counter (seq), padded
         self._alloc("grecv", tp * self.width * 4)  # [tp, W] int32
         self._alloc("predict", cfg.max_pad_bs * n * 4)
         self._alloc("accept_index", cfg.max_pad_bs * n * 4)
         self._alloc("accept_length", cfg.max_pad_bs * 4)
         self._alloc("logprobs", cfg.max_pad_bs * n * 4)
+        # argmax partials, laid out by geometry.argmax_slots; outputs [R*N]
+        self._alloc("abuf", argmax_buffer_bytes(tp, rmax * n * PARTIAL_BYTES))
+        self._alloc("token_ids", rmax * n * 4)  # int32
+        self._alloc("alogprobs", rmax * n * 4)  # float32
         for buf in self._bufs.values():
             buf.fill(0)
         self._err_host, self.err_dev = self._alloc_error_block()
