@@ -5,7 +5,10 @@
   reference;
 * a real tp=1 NCCL communicator: swap and both gathers, eager, replayed from a
   ``torch.cuda.graph`` and from a CuPy stream capture, torch and CuPy inputs; the
-  same with this rank's block routed through NCCL self send/recv;
+  same with this rank's block routed through NCCL self send/recv; real rows
+  (host and device ``bs``, a captured swap replayed with a new device ``bs``);
+  ``argmax_batch_vocab`` eager and replayed from a ``torch.cuda.graph`` with new
+  logits and a new device ``bs``;
 * one process per GPU (``run_ranks``), tp = 2 and 4: the same suite, mismatched
   calls reported on every rank, and ``auto`` choosing NCCL for a simulated
   two-host group.
@@ -46,6 +49,8 @@ from ipc_dpsample.backends.nccl.plan import tag_of
 from ipc_dpsample.config import CommConfig
 from ipc_dpsample.identity import cupy_device_count, nccl_available
 from ipc_dpsample.layout import (
+    real_reqs,
+    reference_argmax_batch_vocab,
     reference_gather_verify_logprobs,
     reference_gather_verify_outputs,
     reference_swap_batch_vocab,
@@ -738,6 +743,266 @@ def test_tp1_close_is_idempotent_and_views_outlive_it() -> None:
     np.testing.assert_array_equal(_bits(out), before)  # the view keeps its buffer alive
     with pytest.raises(DpSampleError, match=r"closed"):
         comm.check()
+
+
+# -- real rows (bs) and argmax on a real tp=1 NCCL communicator ------------------------------
+def _tp1_backend(vocab: int, dtype: str, route_self: bool, max_pad_bs: int = 8) -> _BackendOps:
+    cfg = CommConfig(
+        tp_size=1,
+        rank=0,
+        max_pad_bs=max_pad_bs,
+        num_tokens_per_req=3,
+        vocab_size=vocab,
+        logits_dtype=dtype,
+        backend="nccl",
+    )
+    group = ThreadGroup.create(1)[0]
+    return _BackendOps(NcclBackend(cfg, group, 0, route_self_through_nccl=route_self))
+
+
+def _device_scalar(kind: str, value: int) -> tuple[Any, int]:
+    """An int32 device scalar holding ``value`` and its address."""
+    bits = np.array([value], dtype=np.int32)
+    s = _to_device(kind, bits, "int32")
+    return s, _ptr(s)
+
+
+def _set_scalar(s: Any, value: int) -> None:
+    _refill(s, np.array([value], dtype=np.int32))
+
+
+def _real_rows(pad_bs: int, value: int | None, n: int = 3) -> int:
+    return real_reqs(pad_bs, value, 0) * n  # tp=1: this rank owns every request
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "vocab"), [("torch", "bfloat16", 13), ("cupy", "float32", 64)]
+)
+@pytest.mark.parametrize("route_self", [False, True])
+def test_tp1_bs_host_and_device(kind: str, dtype: str, vocab: int, route_self: bool) -> None:
+    """Host bs 0, 1, 3, 8 and a device scalar changed between calls: the real rows of
+    the swap equal the reference, the gathers every row."""
+    _require_gpus()
+    if kind == "torch":
+        _require_torch_cuda()
+    ops = _tp1_backend(vocab, dtype, route_self)
+    try:
+        case = _Case(0, 1, 3, vocab, dtype, kind, seed=17)
+        pad_bs = 8
+        scalar, ptr = _device_scalar(kind, 0)
+        plans: list[tuple[RealRows, int]] = [(RealRows(v, 0, True), v) for v in (0, 1, 3, 8)]
+        plans += [(RealRows(pad_bs, ptr, True), v) for v in (5, 0, 8, 2)]
+        for rows, value in plans:
+            _set_scalar(scalar, value)
+            _sync()
+            inputs = case.swap_inputs(pad_bs)
+            out = ops.swap_batch_vocab(case.dev(inputs[0], dtype), pad_bs=pad_bs, bs=rows)
+            _sync()
+            real = _real_rows(pad_bs, value)
+            np.testing.assert_array_equal(
+                _bits(out)[:real], case.swap_expected(inputs, pad_bs)[:real]
+            )
+            _poison(out)
+            p, a, ln, lp = case.verify_inputs(pad_bs)
+            outs = ops.gather_verify_outputs(
+                case.dev(p[0], "int32"),
+                case.dev(a[0], "int32"),
+                case.dev(ln[0], "int32"),
+                pad_bs=pad_bs,
+                bs=rows,
+            )
+            olp = ops.gather_verify_logprobs(case.dev(lp[0], "float32"), pad_bs=pad_bs, bs=rows)
+            _sync()
+            for got, want in zip(outs, reference_gather_verify_outputs(p, a, ln), strict=True):
+                np.testing.assert_array_equal(_bits(got), want)
+            np.testing.assert_array_equal(_bits(olp), reference_gather_verify_logprobs(lp))
+        ops.check()
+    finally:
+        ops.close()
+
+
+def _argmax_input(kind: str, rng: np.random.Generator, rows: int, vocab: int, dtype: str) -> Any:
+    """Random logits on the device (a tie, a NaN and an all -inf row included)."""
+    vals = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
+    vals[0, :] = -1.0
+    vals[0, vocab // 2] = vals[0, vocab - 1] = 7.0
+    vals[1, -1] = np.nan
+    if rows > 2:
+        vals[2, :] = -np.inf
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(vals).to(f"cuda:{_device()}").to(_torch_dtype(dtype))
+    import cupy
+
+    return cupy.asarray(vals).astype(np.dtype(dtype))
+
+
+def _argmax_reference_input(x: Any, dtype: str) -> np.ndarray:
+    """What reference_argmax_batch_vocab reads: bfloat16 as uint16 bits, else floats."""
+    bits = _bits(x)
+    if dtype == "bfloat16":
+        return bits
+    return bits.view(np.float16) if dtype == "float16" else bits.view(np.float32)
+
+
+def _check_argmax(
+    ids: Any, lps: Any, x: Any, dtype: str, pad_bs: int, limit: int, value: int | None
+) -> None:
+    want_ids, want_lps = reference_argmax_batch_vocab(
+        [_argmax_reference_input(x, dtype)],
+        tp=1,
+        num_tokens_per_req=3,
+        pad_bs=pad_bs,
+        dtype=dtype,
+        vocab_limit=limit,
+    )[0]
+    real = _real_rows(pad_bs, value)
+    assert tuple(ids.shape) == (pad_bs * 3,) and tuple(lps.shape) == (pad_bs * 3,)
+    np.testing.assert_array_equal(_bits(ids)[:real], want_ids[:real])
+    got = _bits(lps).view(np.float32)[:real]
+    np.testing.assert_allclose(got, want_lps[:real], atol=1e-5, rtol=0, equal_nan=True)
+
+
+ARGMAX_CASES = [
+    ("torch", "bfloat16", 1000, False),
+    ("torch", "float16", 13, True),
+    ("torch", "float32", 19008, False),
+    ("cupy", "float32", 64, False),
+    ("cupy", "float16", 999, True),
+]
+
+
+@pytest.mark.parametrize(("kind", "dtype", "vocab", "route_self"), ARGMAX_CASES)
+def test_tp1_argmax_eager(kind: str, dtype: str, vocab: int, route_self: bool) -> None:
+    _require_gpus()
+    if kind == "torch":
+        _require_torch_cuda()
+    ops = _tp1_backend(vocab, dtype, route_self)
+    rng = np.random.default_rng(vocab)
+    try:
+        scalar, ptr = _device_scalar(kind, 0)
+        steps = [
+            (8, vocab, RealRows(8, 0, False), None),
+            (4, vocab - 3, RealRows(3, 0, True), 3),
+            (8, 1, RealRows(0, 0, True), 0),
+            (8, vocab // 2, RealRows(8, ptr, True), 5),
+            (2, vocab, RealRows(2, ptr, True), 1),
+        ]
+        for pad_bs, limit, rows, value in steps:
+            if rows.on_device:
+                _set_scalar(scalar, value)
+            x = _argmax_input(kind, rng, pad_bs * 3, vocab, dtype)
+            _sync()
+            ids, lps = ops.argmax_batch_vocab(x, pad_bs=pad_bs, vocab_limit=limit, bs=rows)
+            _sync()
+            _check_argmax(ids, lps, x, dtype, pad_bs, limit, value)
+            _poison(ids)
+            _poison(lps)
+        ops.check()
+    finally:
+        ops.close()
+
+
+@pytest.mark.parametrize("route_self", [False, True])
+def test_tp1_argmax_torch_graph_replays_new_values_and_bs(route_self: bool) -> None:
+    """argmax_batch_vocab (device bs) captured in a torch.cuda.graph, replayed with new
+    logits and a new bs written into the static tensors."""
+    _require_gpus()
+    torch = _require_torch_cuda()
+    vocab, dtype, pad_bs, limit = 1000, "bfloat16", 8, 997
+    ops = _tp1_backend(vocab, dtype, route_self)
+    rng = np.random.default_rng(3)
+    try:
+        x = _argmax_input("torch", rng, pad_bs * 3, vocab, dtype)
+        scalar, ptr = _device_scalar("torch", pad_bs)
+        rows = RealRows(pad_bs, ptr, True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: plans, views, NCCL
+                ops.argmax_batch_vocab(x, pad_bs=pad_bs, vocab_limit=limit, bs=rows)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ids, lps = ops.argmax_batch_vocab(x, pad_bs=pad_bs, vocab_limit=limit, bs=rows)
+        for value in (8, 5, 1, 0, 7):
+            x.copy_(_argmax_input("torch", rng, pad_bs * 3, vocab, dtype))
+            scalar.fill_(value)
+            _poison(ids)
+            _poison(lps)
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_argmax(ids, lps, x, dtype, pad_bs, limit, value)
+            real = _real_rows(pad_bs, value)
+            assert (_bits(ids)[real:] == -1).all()  # phantom rows: not written
+        ops.check()
+        del graph
+    finally:
+        ops.close()
+
+
+def test_tp1_swap_cupy_graph_with_device_bs() -> None:
+    """swap_batch_vocab with a device bs captured from a CuPy stream; replays see the
+    scalar's new value (real rows right, phantom rows not written)."""
+    _require_gpus()
+    import cupy
+
+    vocab, dtype, pad_bs = 64, "float16", 8
+    ops = _tp1_backend(vocab, dtype, route_self=True)
+    case = _Case(0, 1, 3, vocab, dtype, "cupy", seed=9)
+    try:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            x = case.dev(case.swap_inputs(pad_bs)[0], dtype)
+            scalar, ptr = _device_scalar("cupy", pad_bs)
+            rows = RealRows(pad_bs, ptr, True)
+            ops.swap_batch_vocab(x, pad_bs=pad_bs, bs=rows, stream=stream)
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                out = ops.swap_batch_vocab(x, pad_bs=pad_bs, bs=rows, stream=stream)
+            finally:
+                graph = stream.end_capture()
+        for value in (8, 3, 0, 6):
+            inputs = case.swap_inputs(pad_bs)
+            with stream:
+                _refill(x, inputs[0])
+                _set_scalar(scalar, value)
+                _poison(out)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            real = _real_rows(pad_bs, value)
+            got = _bits(out)
+            np.testing.assert_array_equal(got[:real], case.swap_expected(inputs, pad_bs)[:real])
+            assert (got[real:] == _bits(cupy.full((1,), np.nan, dtype=np.float16))[0]).all()
+        ops.check()
+    finally:
+        ops.close()
+
+
+def test_tp1_argmax_rejects_vocab_limit_and_mismatch_is_sticky() -> None:
+    """vocab_limit outside 1..V raises before anything runs; a kernel-reported error
+    (here written by hand) makes argmax raise too."""
+    _require_gpus()
+    import cupy
+
+    ops = _tp1_backend(16, "float32", False)
+    try:
+        x = cupy.zeros((4 * 3, 16), dtype=cupy.float32)
+        with pytest.raises(ValueError, match=r"vocab_limit=17; expected 1 <= vocab_limit <= V=16"):
+            ops.argmax_batch_vocab(x, pad_bs=4, vocab_limit=17)
+        mine = Call(Op.ARGMAX, Dtype.FLOAT32, 4, bs=4, seq=0).header()
+        theirs = Call(Op.ARGMAX, Dtype.FLOAT32, 4, bs=3, seq=0).header()
+        words = [1, int(Op.ARGMAX), 0, 1, *mine, *theirs, 0, 0, 0, 0]
+        ctypes.memmove(ops.backend._err_host, struct.pack(f"<{ERROR_WORDS}i", *words), ERROR_BYTES)
+        with pytest.raises(
+            DpSampleError, match=r"rank 1 called argmax_batch_vocab\(pad_bs=4, bs=3"
+        ):
+            ops.argmax_batch_vocab(x, pad_bs=4, vocab_limit=16)
+    finally:
+        ops.close()
 
 
 # -- one process per GPU -------------------------------------------------------------------------
