@@ -35,6 +35,13 @@ one prepared ``cuLaunchKernel``)
   writes ``out[i, s*Vs:(s+1)*Vs] = staging[s, i, :]`` for this rank's real rows,
   taking its own block straight from the input. The permute moves the widest vector
   (16, 8, 4, 2 or 1 bytes) dividing the row size and every base address.
+* ``argmax_batch_vocab``: ``nccl_header``; ``dp_argmax_partials`` (kernels/argmax.cu)
+  reduces every real row of the whole ``[pad_bs*N, V/tp]`` shard to a 3-word partial
+  (max bits, global index, sumexp bits) in a ``[tp, R*N, 3]`` u32 block laid out so
+  that this rank's own block is already its receive slot (``geometry.argmax_slots``);
+  one NCCL group moves ``R*N*12`` bytes plus the 16-byte header per peer pair;
+  ``dp_argmax_combine`` writes ``token_ids int32[R*N]`` and ``logprobs
+  float32[R*N]``; ``nccl_finish`` checks the headers and advances ``seq``.
 * gathers: a pack kernel writes ``[header | payload]`` into this rank's slot of a
   ``[tp, W]`` int32 buffer, one in-place ``allGather`` of ``W`` words, an unpack
   kernel writes the persistent outputs. ``W = 4 + max_pad_bs/tp * (2N + 1)`` for
@@ -48,8 +55,10 @@ Real rows (``bs``)
 * device ``bs`` (an int32 scalar read when the op runs): every op moves fixed byte
   counts (every row), which are right for the real rows whatever the scalar holds
   and keep the op CUDA-graph capturable: a replay reads the scalar's new value (the
-  header kernel and the pack kernel put it into the header; the permute writes the
-  real rows it names). Phantom rows are undefined in every case.
+  header kernel and the pack kernel put it into the header; the permute and the
+  argmax kernels read it from there and handle the real rows it names).
+* argmax moves fixed byte counts for a host ``bs`` too (12 bytes a row); its
+  kernels skip phantom rows. Phantom rows are undefined in every output.
 
 Mismatch detection
 ------------------
@@ -64,16 +73,19 @@ block; every rank that took part sees a difference, so every rank raises
 :meth:`NcclBackend.check` (sticky: the communicator must be closed). The outputs of
 the mismatched call are undefined.
 
-Caught: equal byte counts with different headers: another gather (any ``pad_bs``
-or ``bs``), another ``bs`` in a gather or in a swap with a device ``bs``, another
-logits dtype of the same element size (bfloat16 vs float16).
+Caught (equal byte counts, different headers), on every rank: another gather (any
+``pad_bs`` or ``bs``), another ``bs`` in a gather, in an argmax (host or device) or
+in a swap with a device ``bs`` on every rank, another logits dtype in an argmax,
+or in a swap of the same element size (bfloat16 vs float16).
 
 Limits (NCCL's, not fixable without a host sync per call): transfers whose sizes
 differ between ranks make NCCL wait forever (NCCL has no timeout of its own), and
-are undefined in general: a swap with another ``pad_bs`` or element size, a swap
-with another *host* ``bs`` (its byte counts follow ``bs``), a host ``bs`` on one
-rank and a device ``bs`` on another, a swap on one rank and a gather on another, a
-dead peer. Use ``check()`` (``ncclCommGetAsyncError``) from a watchdog, and prefer
+are undefined in general: a swap or argmax with another ``pad_bs``, a swap with
+another element size, a swap with another *host* ``bs`` (its byte counts follow
+``bs``), a swap with a host ``bs`` on one rank and a device ``bs`` on another, ops
+of different kinds on different ranks (swap vs argmax: ``R*N*V/tp*itemsize`` vs
+``R*N*12`` bytes per pair; either vs a gather: send/recv vs allGather), a dead
+peer. Use ``check()`` (``ncclCommGetAsyncError``) from a watchdog, and prefer
 the one-sided backend within one host, whose waits are bounded.
 
 One op at a time per communicator (DESIGN.md point 9,
@@ -83,7 +95,7 @@ stream while the previous op is in flight raises before anything is launched.
 Lifetime: :meth:`NcclBackend.close` waits (bounded) for every rank at a host
 barrier, then destroys the communicator; if a peer is gone it aborts instead and
 warns. Outputs are views of persistent buffers, valid until the next op of the
-same kind.
+same kind. ``prepare`` does no device work.
 """
 
 from __future__ import annotations
