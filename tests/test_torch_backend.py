@@ -65,3 +65,24 @@ def test_runtime_op_mismatch_raises_on_every_rank() -> None:
     results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
     for messages in results:
         assert len(messages) == 6
+
+
+# -- issue 13 / 14: real rows and argmax, the backend called with RealRows ----------------
+@pytest.mark.parametrize("world", [2, 3])
+def test_real_rows_of_every_op_match_the_reference(world: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.torch_real_rows, SEED + 13), world)
+    for checked in results:
+        assert checked == 24, checked  # 2 dtypes x 12 (pad_bs, bs) cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_argmax_batch_vocab_matches_the_reference(world: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.torch_argmax, SEED + 14), world)
+    for checked in results:
+        assert checked >= 3 * 2 * 3, checked  # 3 dtypes x >= 3 vocab limits x 2 (bs)
+
+
+def test_different_bs_or_op_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.torch_divergence_bs_and_argmax), 2)
+    for messages in results:
+        assert len(messages) == 4, messages
