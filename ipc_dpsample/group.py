@@ -190,19 +190,32 @@ class TorchStoreGroup:
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, self._rank, self.size, opts)
 
+    @property
+    def store_host(self) -> int:
+        """This group's rank of the process that hosts the c10d store (global rank
+        0), or -1 when it is not a member."""
+        return self.global_ranks.index(0) if 0 in self.global_ranks else -1
+
     def post(self, key: str, data: bytes) -> None:
         """Publish this rank's record ``data`` under ``key`` (no wait)."""
         self._store.set(f"{key}/{self._rank}", data)
 
     def collect(self, key: str, wait_s: float) -> list[bytes | None]:
-        """Every rank's record under ``key``, waiting at most ``wait_s`` for them;
-        None for ranks that did not post within that time. This rank's own record
-        must be posted first (:meth:`post`)."""
+        """Every rank's record under ``key``, waiting at most ``wait_s`` for them (0:
+        no wait); None for ranks that did not post within that time.
+
+        Raises
+        ------
+        Exception
+            Whatever the c10d store raises when it is unreachable (its host, global
+            rank 0, exited).
+        """
         keys = [f"{key}/{r}" for r in range(self.size)]
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=max(wait_s, 0.001)))
-        except Exception:
-            pass  # some ranks did not post: reported as None
+        if wait_s > 0:
+            try:
+                self._store.wait(keys, datetime.timedelta(seconds=wait_s))
+            except Exception:
+                pass  # some ranks did not post: reported as None
         return [bytes(self._store.get(k)) if self._store.check([k]) else None for k in keys]
 
     def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:

@@ -839,3 +839,149 @@ def torch_divergence_bs_and_argmax(rank: int, tp: int, group: Any) -> list[str]:
             assert again == msg, (again, msg)
             messages.append(msg)
     return messages
+
+
+# -- bounded waits: stalled, dead and failing peers ----------------------------------------
+FAIL_TIMEOUT_S = 3.0
+
+
+def _timed_error(call: Any) -> tuple[BaseException, float]:
+    t0 = time.monotonic()
+    try:
+        call()
+    except DpSampleError as exc:
+        return exc, time.monotonic() - t0
+    raise AssertionError("the op returned although a peer did not take part")
+
+
+def _assert_sticky(comm: DpSamplingComm, first: BaseException, call: Any) -> None:
+    """Every later call and check() re-raise ``first``; close() returns at once."""
+    assert "every later call raises this error" in str(first), first
+    for again in (call, comm.check):
+        try:
+            again()
+        except DpSampleError as exc:
+            assert exc is first, (exc, first)
+        else:
+            raise AssertionError("a poisoned communicator accepted a call")
+    t0 = time.monotonic()
+    comm.close()
+    assert time.monotonic() - t0 < 2.0, "close() of a poisoned communicator waited"
+
+
+def torch_stalled_peer(rank: int, tp: int, group: Any) -> dict[str, Any]:
+    """The last rank sleeps past timeout_s before a swap: the others raise
+    PeerTimeoutError naming it within timeout_s + 2 s (asserted < timeout_s + 5);
+    the late rank raises DpSampleError at once; a fresh communicator works after."""
+    from ipc_dpsample import PeerTimeoutError
+
+    late = rank == tp - 1
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=2 * tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    chk = Checker(comm, rank, tp, 11)
+    chk.swap(tp)  # a healthy op first
+    x = torch.ones(tp, 2)
+    call = lambda: comm.swap_batch_vocab(x, pad_bs=tp)  # noqa: E731
+    if late:
+        time.sleep(FAIL_TIMEOUT_S + 3.0)
+    exc, elapsed = _timed_error(call)
+    if late:
+        assert not isinstance(exc, PeerTimeoutError), exc
+        assert "late" in str(exc), exc
+        assert elapsed < 5.0, f"the late rank took {elapsed:.1f} s to raise"
+    else:
+        assert isinstance(exc, PeerTimeoutError), repr(exc)
+        assert (exc.rank, exc.peer, exc.op) == (rank, tp - 1, "swap_batch_vocab"), exc
+        assert f"rank {tp - 1} did not take part" in str(exc), exc
+        assert FAIL_TIMEOUT_S * 0.8 < elapsed < FAIL_TIMEOUT_S + 5, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    _fresh_comm_works(rank, tp, group)
+    return {"type": type(exc).__name__, "elapsed": elapsed, "message": str(exc)}
+
+
+def torch_dead_peer(rank: int, tp: int, group: Any, report_dir: str, victim: int) -> None:
+    """Rank ``victim`` exits (``os._exit(17)``) while the others wait in a swap: they
+    raise PeerTimeoutError naming it within timeout_s + 2 s, their communicator is
+    poisoned and closes at once. Rank 0 also hosts the c10d store, so its death
+    tests the path without a store. Survivors write what they saw to
+    ``report_dir`` (the harness reports the dead rank, so results cannot travel
+    back)."""
+    import json
+    import os
+
+    from ipc_dpsample import PeerTimeoutError
+
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=2 * tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    Checker(comm, rank, tp, 12).swap(tp)
+    if rank == victim:
+        time.sleep(0.5)  # the others are waiting in the swap by now
+        os._exit(17)
+    x = torch.ones(tp, 2)
+    call = lambda: comm.swap_batch_vocab(x, pad_bs=tp)  # noqa: E731
+    exc, elapsed = _timed_error(call)
+    assert isinstance(exc, PeerTimeoutError), repr(exc)
+    assert (exc.rank, exc.peer, exc.op) == (rank, victim, "swap_batch_vocab"), exc
+    assert elapsed < FAIL_TIMEOUT_S + 5, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peer": exc.peer, "elapsed": elapsed, "message": str(exc)}, f)
+
+
+class _FailingGroup:
+    """A process group whose collectives raise, as a broken transport would."""
+
+    def alltoall_base(self, *args: Any) -> Any:
+        raise RuntimeError("injected c10d failure")
+
+    def abort(self) -> None:
+        pass
+
+
+def torch_wrapped_c10d_failure(rank: int, tp: int, group: Any) -> str:
+    """Every rank's collective raises a c10d RuntimeError while every peer takes part
+    in the same call: each raises DpSampleError (not PeerTimeoutError) with the
+    RuntimeError chained, at once, and the communicator stays poisoned."""
+    from ipc_dpsample import PeerTimeoutError
+
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    _backend(comm)._pg = _FailingGroup()
+    i32 = torch.ones(1, 1, dtype=torch.int32)
+    call = lambda: comm.gather_verify_outputs(i32, i32, i32[:, 0], pad_bs=tp)  # noqa: E731
+    exc, elapsed = _timed_error(call)
+    assert not isinstance(exc, PeerTimeoutError), repr(exc)
+    assert isinstance(exc.__cause__, RuntimeError), repr(exc.__cause__)
+    assert "injected c10d failure" in str(exc) and "gather_verify_outputs" in str(exc), exc
+    assert elapsed < 2.0, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    return str(exc)
+
+
+# -- host groups pair collectives by (sequence, what) ------------------------------------
+def group_steps_diverge(rank: int, tp: int, group: Any) -> list[str]:
+    """The last rank's second host all-gather is another step than the others': every
+    rank raises DpSampleError naming both steps, then matching steps work again.
+    ``group``: a HostGroup (ThreadGroup) or None/tuple (a TorchStoreGroup is made)."""
+    from ipc_dpsample.group import resolve_group
+
+    host = group if hasattr(group, "all_gather_bytes") else resolve_group(group)
+    got = host.all_gather_bytes(bytes([rank]), timeout_s=30, what="config agreement")
+    assert got == [bytes([r]) for r in range(tp)], got
+    what = "IPC handle exchange" if rank == tp - 1 else "nccl probe"
+    try:
+        host.all_gather_bytes(b"x", timeout_s=30, what=what)
+    except DpSampleError as exc:
+        message = str(exc)
+        assert "'IPC handle exchange'" in message and "'nccl probe'" in message, message
+        assert "set-up sequences diverged" in message, message
+    else:
+        raise AssertionError(f"rank {rank}: '{what}' paired with another step")
+    host.barrier(timeout_s=30, what="after the divergence")
+    return [message]

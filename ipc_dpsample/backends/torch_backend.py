@@ -34,6 +34,8 @@ up to :data:`REPORT_WAIT_S` for every peer's, then raises
   record never came (it stalled or exited before the op);
 * a :class:`~ipc_dpsample.errors.DpSampleError` saying that the peers gave up on
   this rank, when a peer's verdict names it (it arrived late);
+* :class:`~ipc_dpsample.errors.PeerTimeoutError` naming the store's host (global
+  rank 0) when the c10d store itself is unreachable;
 * otherwise a :class:`~ipc_dpsample.errors.DpSampleError` with the c10d error
   chained.
 
@@ -366,11 +368,17 @@ class TorchBackend(Backend):
                 [int(w) for w in v.decode().split(",")] if v else []
                 for v in group.collect(f"{self._key}/gave_up", 0.0)
             ]
-        except Exception as store_exc:  # the store itself is gone
-            err = DpSampleError(
+        except Exception as store_exc:  # the store is gone: its host exited
+            host = group.store_host
+            err = PeerTimeoutError(
                 f"rank {me}: {call.describe()} failed in torch.distributed "
-                f"({type(exc).__name__}: {exc}) and the c10d store could not say why "
-                f"({store_exc}). {_UNUSABLE}"
+                f"({type(exc).__name__}: {str(exc)[:200]}) and the c10d store is unreachable "
+                f"({type(store_exc).__name__}: {str(store_exc)[:200]}): its host, "
+                + (f"rank {host}, most likely exited" if host >= 0 else "global rank 0, exited")
+                + f" (torch backend). {_UNUSABLE}",
+                rank=me,
+                peer=host,
+                op=Op.describe_code(call.op),
             )
             self._failure = err
             return err
