@@ -540,7 +540,7 @@ class TorchBackend(Backend):
         width = sum(max(w, 1) for w in widths)
         mine, most = real_reqs(r, real, me), real_reqs(r, real, 0)
         send, splits, hdr, offsets, sizes = self._layout_sends([mine * width * 4] * tp)
-        words = send.view(torch.int32)
+        words = self._send.view(torch.int32)  # tp == 1: packed but never sent
         first = next(o for o in offsets if o >= 0) if tp > 1 else 0
         block = words[first // 4 + _HDR_WORDS : first // 4 + _HDR_WORDS + mine * width]
         body, own, unpack, col = [], [], [], 0
