@@ -241,3 +241,24 @@ def test_cpu_thread_group_has_no_backend() -> None:
     (group,) = ThreadGroup.create(1)
     with pytest.raises(BackendUnavailableError, match=r"torch\.distributed"):
         DpSamplingComm(**_kw(), group=group)
+
+
+def test_construction_is_one_host_all_gather_on_the_torch_path(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Construction is one rendezvous: config, identity and facts in one record
+    (the one-sided path adds two more rounds, the NCCL path two: counted on the
+    H200 by scripts/profile_setup.py)."""
+    from ipc_dpsample.group import TorchStoreGroup
+
+    calls: list[str] = []
+    real = TorchStoreGroup.all_gather_bytes
+
+    def counting(self: Any, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
+        calls.append(what)
+        return real(self, data, timeout_s=timeout_s, what=what)
+
+    monkeypatch.setattr(TorchStoreGroup, "all_gather_bytes", counting)
+    with DpSamplingComm(**_kw()) as comm:
+        assert comm.backend == "torch"
+    assert calls == ["rank records"], calls
