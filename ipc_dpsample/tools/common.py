@@ -33,6 +33,7 @@ from ..layout import (
 )
 
 __all__ = [
+    "ARGMAX",
     "CPU_SHAPE",
     "GPU_SHAPE",
     "OPS",
@@ -54,8 +55,15 @@ __all__ = [
     "torch_gpu_count",
 ]
 
-#: The three collectives, in the order a verify step calls them.
-OPS: tuple[str, ...] = ("swap_batch_vocab", "gather_verify_outputs", "gather_verify_logprobs")
+#: The greedy verify op (the arg-max of every full row without moving the logits).
+ARGMAX = "argmax_batch_vocab"
+#: The ops: the three collectives in the order a verify step calls them, then the argmax.
+OPS: tuple[str, ...] = (
+    "swap_batch_vocab",
+    "gather_verify_outputs",
+    "gather_verify_logprobs",
+    ARGMAX,
+)
 
 Launch = Literal["processes", "threads"]
 DeviceKind = Literal["cpu", "cuda"]
