@@ -4,14 +4,17 @@ GPUs faster than NCCL, without hanging or corrupting data.
 Public API::
 
     from ipc_dpsample import (DpSamplingComm, DpSampleError, ConfigMismatchError,
-                              PeerTimeoutError, BackendUnavailableError)
+                              PeerTimeoutError, BackendUnavailableError,
+                              DtypeMismatchError, ThreadGroup)
+    from ipc_dpsample import swap_batch_vocab  # TokenSpeed's stateless fallback
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .comm import DpSamplingComm
+from .comm import DpSamplingComm, DtypeMismatchError
+from .compat import swap_batch_vocab
 from .errors import (
     BackendUnavailableError,
     ConfigMismatchError,
@@ -25,7 +28,9 @@ __all__ = [
     "ConfigMismatchError",
     "DpSampleError",
     "DpSamplingComm",
+    "DtypeMismatchError",
     "PeerTimeoutError",
     "ThreadGroup",
     "__version__",
+    "swap_batch_vocab",
 ]

@@ -7,8 +7,8 @@ import warnings
 from typing import Any
 
 from . import envs
-from .arrays import ArrayInfo, ArrayKind, describe, normalize_dtype, torch_fast_info
-from .backends.base import Backend, RealRows
+from .arrays import ArrayInfo, normalize_dtype
+from .backends.base import Backend
 from .config import BackendName, CommConfig, PeerRecord
 from .errors import DpSampleError
 from .group import HostGroup, resolve_group
@@ -16,17 +16,12 @@ from .identity import check_device_usable, resolve_device
 from .layout import Layout
 from .protocol import LOGITS_DTYPES
 from .rendezvous import build_backend
+from .validate import ArgChecker, DtypeMismatchError
 
 __all__ = ["DpSamplingComm", "DtypeMismatchError"]
 
 ENV_BACKEND = "IPC_DPSAMPLE_BACKEND"
 ENV_BACKEND_ALIAS = "TOKENSPEED_DP_SAMPLING_BACKEND"
-
-
-class DtypeMismatchError(DpSampleError, TypeError):
-    """A swap's logits dtype differs from the one the communicator fixed (a
-    ``RuntimeError`` like every :class:`DpSampleError`, as TokenSpeed raises, and a
-    ``TypeError`` like every other dtype error of this library)."""
 
 
 def requested_backend(backend: str) -> str:
@@ -146,6 +141,7 @@ class DpSamplingComm:
         self._records: list[PeerRecord] = built.records
         self._backend_name, self._reason, self._backend = built.name, built.reason, built.backend
         self._logits_dtype = self.config.logits_dtype
+        self._check = ArgChecker(self.config, self._device)
         self.layout = Layout(tp_size, max_pad_bs, num_tokens_per_req, vocab_size)
 
     def _make_backend(self, name: BackendName, records: list[PeerRecord]) -> Backend:
@@ -270,7 +266,7 @@ class DpSamplingComm:
         pad_bs = cfg.validate_pad_bs(pad_bs)
         expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
         info = self._logits_arg(local_logits, expected)
-        rows = self._bs(bs, pad_bs)
+        rows = self._check.bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.swap_batch_vocab(
             local_logits, info, pad_bs=pad_bs, bs=rows, stream=stream
@@ -321,7 +317,7 @@ class DpSamplingComm:
                 f"vocab_limit={limit} out of range: expected 1 <= vocab_limit <= "
                 f"vocab_size={cfg.vocab_size}"
             )
-        rows = self._bs(bs, pad_bs)
+        rows = self._check.bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.argmax_batch_vocab(
             local_logits, info, pad_bs=pad_bs, vocab_limit=int(limit), bs=rows, stream=stream
@@ -358,10 +354,11 @@ class DpSamplingComm:
         cfg = self.config
         pad_bs = cfg.validate_pad_bs(pad_bs)
         r, n = pad_bs // cfg.tp_size, cfg.num_tokens_per_req
-        info = self._arg(predict_local, "predict_local", (r, n), "int32")
-        self._arg(accept_index_local, "accept_index_local", (r, n), "int32", info.kind)
-        self._arg(accept_length_local, "accept_length_local", (r,), "int32", info.kind)
-        rows = self._bs(bs, pad_bs)
+        arg = self._check.arg
+        info = arg(predict_local, "predict_local", (r, n), "int32")
+        arg(accept_index_local, "accept_index_local", (r, n), "int32", info.kind)
+        arg(accept_length_local, "accept_length_local", (r,), "int32", info.kind)
+        rows = self._check.bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.gather_verify_outputs(
             predict_local,
@@ -396,12 +393,8 @@ class DpSamplingComm:
         cfg = self.config
         pad_bs = cfg.validate_pad_bs(pad_bs)
         shape = (pad_bs // cfg.tp_size, cfg.num_tokens_per_req)
-        if torch_fast_info(logprobs_local, shape, "float32", self._device) is None:
-            info = describe(logprobs_local, "logprobs_local")
-            if not info.contiguous and info.dtype == "float32" and info.shape == shape:
-                logprobs_local = _contiguous(logprobs_local, info.kind)
-        info = self._arg(logprobs_local, "logprobs_local", shape, "float32")
-        rows = self._bs(bs, pad_bs)
+        logprobs_local, info = self._check.logprobs(logprobs_local, shape)
+        rows = self._check.bs(bs, pad_bs)
         assert self._backend is not None
         return self._backend.gather_verify_logprobs(
             logprobs_local, info, pad_bs=pad_bs, bs=rows, stream=stream
@@ -455,111 +448,7 @@ class DpSamplingComm:
 
     def _logits_arg(self, x: Any, shape: tuple[int, int]) -> ArrayInfo:
         """``local_logits`` checked; with the dtype not fixed yet, its dtype fixes it."""
-        dtype = self._logits_dtype
-        if dtype is None:
-            info = describe(x, "local_logits")
-            if info.dtype not in LOGITS_DTYPES:
-                raise TypeError(f"local_logits dtype {info.dtype}; expected one of {LOGITS_DTYPES}")
-            self._check_array("local_logits", info, shape, info.dtype)
+        info, fix = self._check.logits(x, shape, self._logits_dtype)
+        if fix:
             self._fix_dtype(info.dtype)
-            return info
-        info = torch_fast_info(x, shape, dtype, self._device)
-        if info is None:
-            info = describe(x, "local_logits")
-            if info.dtype in LOGITS_DTYPES and info.dtype != dtype:
-                raise DtypeMismatchError(
-                    f"local_logits dtype {info.dtype} != this communicator's logits dtype "
-                    f"{dtype} (fixed by the constructor, prepare_verify_outputs or the first "
-                    "swap); build another communicator for another dtype"
-                )
-            self._check_array("local_logits", info, shape, dtype)
         return info
-
-    def _bs(self, bs: Any, pad_bs: int) -> RealRows:
-        """The ``bs`` argument as :class:`RealRows` (see :meth:`swap_batch_vocab`)."""
-        if bs is None:
-            return RealRows(pad_bs, 0, False)
-        if isinstance(bs, bool):
-            raise TypeError(f"bs={bs!r}; expected None, an int or an int32 device scalar")
-        if isinstance(bs, numbers.Integral):
-            value = int(bs)
-        else:
-            try:
-                info = describe(bs, "bs")
-            except TypeError:
-                raise TypeError(
-                    f"bs={bs!r}; expected None, an int in [0, pad_bs={pad_bs}] or an int32 "
-                    f"scalar / 1-element array on {self.device}"
-                ) from None
-            if info.dtype != "int32":
-                raise TypeError(f"bs dtype {info.dtype} != expected int32")
-            if info.shape not in ((), (1,)):
-                raise ValueError(f"bs shape {info.shape} != expected () or (1,)")
-            if info.device != self._device:
-                where = "cpu" if info.device < 0 else f"cuda:{info.device}"
-                raise ValueError(f"bs is on {where}; expected {self.device}")
-            if info.device >= 0:
-                return RealRows(pad_bs, info.ptr, True)
-            value = int(bs.reshape(-1)[0])  # host memory: read it now
-        if not 0 <= value <= pad_bs:
-            raise ValueError(f"bs={value} out of range: expected 0 <= bs <= pad_bs={pad_bs}")
-        return RealRows(value, 0, True)
-
-    def _arg(
-        self,
-        x: Any,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: str,
-        kind: ArrayKind | None = None,
-    ) -> ArrayInfo:
-        """``x`` described and checked against ``shape``, ``dtype``, this device and
-        (when given) the array ``kind`` of the call's other arguments."""
-        info = torch_fast_info(x, shape, dtype, self._device)
-        if info is None or (kind is not None and kind is not ArrayKind.TORCH):
-            info = describe(x, name)
-            self._check_array(name, info, shape, dtype, kind)
-        return info
-
-    def _check_array(
-        self,
-        name: str,
-        info: ArrayInfo,
-        shape: tuple[int, ...],
-        dtype: str,
-        kind: ArrayKind | None = None,
-    ) -> None:
-        if kind is not None and info.kind is not kind:
-            raise TypeError(
-                f"{name} is a {info.kind.value} array; expected {kind.value} like the others"
-            )
-        if info.dtype != dtype:
-            raise TypeError(f"{name} dtype {info.dtype} != expected {dtype}")
-        if info.device != self._device:
-            where = "cpu" if info.device < 0 else f"cuda:{info.device}"
-            raise TypeError(f"{name} is on {where}; expected {self.device}")
-        if info.shape != shape:
-            c = self.config
-            if name == "local_logits":
-                dims = f"rows pad_bs*N with N={c.num_tokens_per_req}, V/tp={shape[1]} columns"
-            else:
-                dims = f"R=pad_bs/tp={shape[0]} rows, N={c.num_tokens_per_req}"
-            raise ValueError(
-                f"{name} shape {info.shape} != expected {shape} (tp={c.tp_size}, {dims})"
-            )
-        if not info.contiguous:
-            raise ValueError(f"{name} must be C-contiguous (call .contiguous() first)")
-
-
-def _contiguous(x: Any, kind: ArrayKind) -> Any:
-    if kind is ArrayKind.TORCH:
-        return x.contiguous()
-    if kind is ArrayKind.CUPY:
-        import cupy
-
-        return cupy.ascontiguousarray(x)
-    if kind is ArrayKind.NUMPY:
-        import numpy as np
-
-        return np.ascontiguousarray(x)
-    return x  # numba: the contiguity check below names the problem

@@ -158,8 +158,17 @@ struct ArgmaxUnpack<ArgmaxF32> {
   }
 };
 
+// The CPU emulation may count every load (bytes read, misaligned vectors) through
+// DP_ARGMAX_EMU_LOAD(ptr, bytes); nothing on the device.
+#if defined(DP_ARGMAX_CPU_EMULATION) && defined(DP_ARGMAX_EMU_LOAD)
+#define DP_ARGMAX_COUNT_LOAD(ptr, bytes) DP_ARGMAX_EMU_LOAD(ptr, bytes)
+#else
+#define DP_ARGMAX_COUNT_LOAD(ptr, bytes) ((void)0)
+#endif
+
 // Read-once data: the non-coherent path (the row is not written during the kernel).
 __device__ __forceinline__ ArgmaxVec16 argmax_load16(const ArgmaxVec16* p) {
+  DP_ARGMAX_COUNT_LOAD(p, 16);
 #ifdef DP_ARGMAX_CPU_EMULATION
   return *p;
 #else
@@ -169,6 +178,12 @@ __device__ __forceinline__ ArgmaxVec16 argmax_load16(const ArgmaxVec16* p) {
                : "l"(p));
   return v;
 #endif
+}
+
+template <typename Tag>
+__device__ __forceinline__ float argmax_load1(const typename Tag::Storage* p) {
+  DP_ARGMAX_COUNT_LOAD(p, sizeof(*p));
+  return Tag::to_float(*p);
 }
 
 // -- packing: 3 words [max bits, idx, sumexp bits] ----------------------------
@@ -345,7 +360,7 @@ __device__ __forceinline__ ArgmaxPartial argmax_row_partial(const typename Tag::
   ArgmaxState st;
   argmax_state_init(st);
   // Per thread, columns only increase: head, then vectors t, t+nt, ..., then tail.
-  for (unsigned c = t; c < head; c += nt) argmax_push(st, Tag::to_float(row[c]), c);
+  for (unsigned c = t; c < head; c += nt) argmax_push(st, argmax_load1<Tag>(row + c), c);
   unsigned v = t;
   for (; v + (U - 1) * nt < nvec; v += U * nt) {
     ArgmaxVec16 raw[U];
@@ -370,7 +385,8 @@ __device__ __forceinline__ ArgmaxPartial argmax_row_partial(const typename Tag::
     for (int j = 0; j < K; ++j) cols[j] = head + v * K + j;
     argmax_push_chunk<K>(st, x, cols);
   }
-  for (unsigned c = body_end + t; c < limit; c += nt) argmax_push(st, Tag::to_float(row[c]), c);
+  for (unsigned c = body_end + t; c < limit; c += nt)
+    argmax_push(st, argmax_load1<Tag>(row + c), c);
 
   // Tree over shared memory for any blockDim: the upper half folds into the lower.
   ArgmaxPartial p = argmax_state_partial(st, col0);

@@ -1,23 +1,27 @@
 // ipc_dpsample NCCL-backend kernels: the local halves of the NCCL collectives.
 //
-// NCCL moves the bytes (grouped send/recv for swap_batch_vocab, one allGather for
-// the verify gathers); these kernels put them in place and check that every rank
-// made the same call. Host half: ipc_dpsample/backends/nccl.py.
+// NCCL moves the bytes (grouped send/recv for swap_batch_vocab and
+// argmax_batch_vocab, one allGather for the verify gathers); these kernels put them
+// in place and check that every rank made the same call. Host half:
+// ipc_dpsample/backends/nccl/.
 //
 // No toolkit headers: NVRTC (CuPy RawModule) and nvcc (the CI compile check) both
-// build this file anywhere. Every scalar argument is 64-bit (CuPy passes Python
-// ints as long long; pointers travel as unsigned long long).
+// build this file anywhere. Every scalar argument is 64-bit (the host packs every
+// argument as 8 bytes: pointers as unsigned long long, scalars as long long).
 //
-// Headers. Every op carries one 4-word int32 header per rank:
-//   [tag, pad_bs, N, seq]   tag = op | dtype_code << 8 (dtype_code 0 for gathers),
-//                           seq = ops this communicator completed before this one.
-// The gathers pack their header in front of their payload; the swap sends a
-// 16-byte header message to every peer inside the same NCCL group as its data,
-// taken from a device table of prebuilt swap headers (one per R = pad_bs / tp).
-// The kernel that finishes an op (permute or unpack) compares every rank's header
-// with its own, records the first difference in the host-visible error block, and
-// advances seq (the device counter and the seq column of the swap-header table):
-// no host value changes between calls, so CUDA-graph replays stay correct.
+// Headers (ipc_dpsample/protocol.py, Call.header). Every op carries one 4-word
+// int32 header per rank:
+//   [tag, pad_bs, bs, seq]   tag = op | dtype << 8 (| graph << 16, never set here),
+//                            bs  = real requests (host value, or the caller's device
+//                                  int32 scalar read when the op runs),
+//                            seq = ops this communicator completed before this one.
+// The gathers pack their header in front of their payload (nccl_pack); the swap and
+// the argmax send a 16-byte header message to every peer inside the same NCCL group
+// as their data, written just before the group by nccl_header. The kernel that
+// finishes an op (permute, unpack, finish) compares every rank's header with its
+// own, records the first difference in the host-visible error block, and advances
+// seq in device memory: no host value changes between calls, so CUDA-graph replays
+// stay correct.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -29,7 +33,7 @@ typedef unsigned char u8;
 #define ERR_MISMATCH 1
 
 // Host-visible error block (mapped pinned memory); mirrored by
-// ipc_dpsample/backends/nccl.py:ERROR_WORDS.
+// ipc_dpsample/backends/nccl/records.py:ERROR_WORDS.
 struct ErrorBlock {
   int code;       // 0 ok, ERR_MISMATCH
   int op;         // op code of the rank that detected it
@@ -47,6 +51,17 @@ struct alignas(16) Vec16 {
   u64 hi;
 };
 static_assert(sizeof(Vec16) == 16, "Vec16 must be 16 bytes");
+
+// bs of this call: the caller's device scalar when bs_ptr != 0, else the host value.
+__device__ __forceinline__ int resolve_bs(i64 bs, u64 bs_ptr) {
+  return bs_ptr != 0 ? *reinterpret_cast<const int*>(bs_ptr) : (int)bs;
+}
+
+// Real requests among rank `rank`'s `reqs` (layout.real_reqs): clamp(bs - rank*reqs, 0, reqs).
+__device__ __forceinline__ i64 real_reqs(i64 reqs, i64 bs, i64 rank) {
+  const i64 k = bs - rank * reqs;
+  return k < 0 ? 0 : (k > reqs ? reqs : k);
+}
 
 // Compare every rank's header (rank s at hdrs + s * stride) with `mine`; record
 // the first difference. Called by one thread.
@@ -72,83 +87,91 @@ __device__ void check_headers(const int* hdrs, i64 stride, i64 tp, i64 skip, con
   }
 }
 
-// Advance the op counter to `next` (block 0 only, every thread of it).
-__device__ void advance_seq(int next, int* counter, int* hdr_table, i64 table_entries) {
-  if (threadIdx.x == 0) *counter = next;
-  for (i64 j = threadIdx.x; j < table_entries; j += blockDim.x) hdr_table[j * HDR_WORDS + 3] = next;
+// Before the NCCL group of a swap or argmax: dst (int32[4]) = [tag, pad_bs, bs, seq].
+// One thread. The per-call values (bs, bs_ptr) come first.
+extern "C" __global__ void nccl_header(i64 bs, u64 bs_ptr, u64 dst, i64 tag, i64 pad_bs,
+                                       u64 counter) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int* d = reinterpret_cast<int*>(dst);
+  d[0] = (int)tag;
+  d[1] = (int)pad_bs;
+  d[2] = resolve_bs(bs, bs_ptr);
+  d[3] = *reinterpret_cast<const int*>(counter);
+}
+
+// After the NCCL group of an op whose data kernel is not ours (argmax): check the
+// received headers (rank s at hdr_recv + 4 s, own slot `skip` unused) against
+// my_hdr and advance seq. One thread.
+extern "C" __global__ void nccl_finish(u64 hdr_recv, i64 tp, i64 skip, u64 my_hdr, u64 counter,
+                                       u64 err, i64 rank) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const int* mine = reinterpret_cast<const int*>(my_hdr);
+  check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, skip, mine,
+                reinterpret_cast<ErrorBlock*>(err), rank);
+  *reinterpret_cast<int*>(counter) = mine[3] + 1;
 }
 
 // swap_batch_vocab, local half: out[i, s * rowbytes : (s + 1) * rowbytes] = src_s[i, :]
-// where src_s is the own input (s == self_rank) or staging[s]. A "segment" is one
-// (row i, source s) pair: rowbytes contiguous bytes in and out; 2^tps_log2
-// threads copy one segment with V-sized vectors.
+// for the rows i < real_reqs(reqs, bs, rank) * n of this rank's real requests
+// (bs from my_hdr[2], as nccl_header wrote it), where src_s is the own input
+// (s == self_rank) or staging[s] (rows * rowbytes bytes per source). A "segment" is
+// one (row i, source s) pair: rowbytes contiguous bytes in and out; 2^tps_log2
+// threads copy one segment with V-sized vectors. Block 0 checks the headers and
+// advances seq. The per-call value (self_src) comes first.
 template <typename V>
-__device__ __forceinline__ void permute_body(u8* out, const u8* staging, const u8* self_src,
-                                             i64 self_rank, i64 tp, i64 rows, i64 rowbytes,
-                                             i64 tps_log2) {
+__global__ void nccl_permute(u64 self_src, u64 out, u64 staging, i64 self_rank, i64 tp, i64 rows,
+                             i64 rowbytes, i64 tps_log2, i64 reqs, i64 n, u64 hdr_recv,
+                             u64 my_hdr, u64 counter, u64 err, i64 rank) {
+  const int* mine = reinterpret_cast<const int*>(my_hdr);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, self_rank, mine,
+                  reinterpret_cast<ErrorBlock*>(err), rank);
+    *reinterpret_cast<int*>(counter) = mine[3] + 1;
+  }
+  const i64 real_rows = real_reqs(reqs, mine[2], rank) * n;
+  const u8* st = reinterpret_cast<const u8*>(staging);
+  const u8* own = reinterpret_cast<const u8*>(self_src);
+  u8* o = reinterpret_cast<u8*>(out);
   const i64 vecs = rowbytes / (i64)sizeof(V);
   const i64 tps = (i64)1 << tps_log2;
   const i64 segs_per_block = (i64)blockDim.x >> tps_log2;
   const i64 lane = (i64)threadIdx.x & (tps - 1);
-  const i64 nseg = rows * tp;
+  const i64 nseg = real_rows * tp;
   const i64 step = (i64)gridDim.x * segs_per_block;
   for (i64 seg = (i64)blockIdx.x * segs_per_block + ((i64)threadIdx.x >> tps_log2); seg < nseg;
        seg += step) {
     const i64 i = seg / tp;
     const i64 s = seg - i * tp;
-    const u8* src_bytes = s == self_rank ? self_src + i * rowbytes : staging + (s * rows + i) * rowbytes;
+    const u8* src_bytes = s == self_rank ? own + i * rowbytes : st + (s * rows + i) * rowbytes;
     const V* src = reinterpret_cast<const V*>(src_bytes);
-    V* dst = reinterpret_cast<V*>(out + seg * rowbytes);
+    V* dst = reinterpret_cast<V*>(o + seg * rowbytes);
     for (i64 k = lane; k < vecs; k += tps) dst[k] = src[k];
   }
 }
 
-template <typename V>
-__device__ __forceinline__ void permute_kernel(u64 out, u64 staging, u64 self_src, i64 self_rank,
-                                               i64 tp, i64 rows, i64 rowbytes, i64 tps_log2,
-                                               u64 hdr_recv, u64 my_hdr, u64 hdr_table,
-                                               i64 table_entries, u64 counter, u64 err, i64 rank) {
-  if (blockIdx.x == 0) {
-    const int* mine = reinterpret_cast<const int*>(my_hdr);
-    const int next = mine[3] + 1;
-    if (threadIdx.x == 0) {
-      check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, self_rank, mine,
-                    reinterpret_cast<ErrorBlock*>(err), rank);
-    }
-    __syncthreads();  // `mine` is a row of hdr_table, rewritten below
-    advance_seq(next, reinterpret_cast<int*>(counter), reinterpret_cast<int*>(hdr_table),
-                table_entries);
-  }
-  permute_body<V>(reinterpret_cast<u8*>(out), reinterpret_cast<const u8*>(staging),
-                  reinterpret_cast<const u8*>(self_src), self_rank, tp, rows, rowbytes, tps_log2);
-}
-
-// One entry point per vector width (bytes): 16, 8, 4, 2, 1. The host picks the
-// widest width that divides rowbytes and every base address.
-#define DEFINE_PERMUTE(NAME, V)                                                                 \
-  extern "C" __global__ void NAME(u64 out, u64 staging, u64 self_src, i64 self_rank, i64 tp,    \
-                                  i64 rows, i64 rowbytes, i64 tps_log2, u64 hdr_recv,           \
-                                  u64 my_hdr, u64 hdr_table, i64 table_entries, u64 counter,    \
-                                  u64 err, i64 rank) {                                          \
-    permute_kernel<V>(out, staging, self_src, self_rank, tp, rows, rowbytes, tps_log2, hdr_recv, \
-                      my_hdr, hdr_table, table_entries, counter, err, rank);                    \
-  }
-
-DEFINE_PERMUTE(nccl_permute_w16, Vec16)
-DEFINE_PERMUTE(nccl_permute_w8, u64)
-DEFINE_PERMUTE(nccl_permute_w4, u32)
-DEFINE_PERMUTE(nccl_permute_w2, u16)
-DEFINE_PERMUTE(nccl_permute_w1, u8)
+// nvcc instantiates these for the compile check; NVRTC instantiates the host's
+// name_expressions ("nccl_permute<Vec16>", ..., "nccl_permute<u8>").
+template __global__ void nccl_permute<Vec16>(u64, u64, u64, i64, i64, i64, i64, i64, i64, i64,
+                                             u64, u64, u64, u64, i64);
+template __global__ void nccl_permute<u64>(u64, u64, u64, i64, i64, i64, i64, i64, i64, i64, u64,
+                                           u64, u64, u64, i64);
+template __global__ void nccl_permute<u32>(u64, u64, u64, i64, i64, i64, i64, i64, i64, i64, u64,
+                                           u64, u64, u64, i64);
+template __global__ void nccl_permute<u16>(u64, u64, u64, i64, i64, i64, i64, i64, i64, i64, u64,
+                                           u64, u64, u64, i64);
+template __global__ void nccl_permute<u8>(u64, u64, u64, i64, i64, i64, i64, i64, i64, i64, u64,
+                                          u64, u64, u64, i64);
 
 // Verify gathers, before the allGather: dst (this rank's slot, int32[width]) =
-// [tag, pad_bs, N, seq | src0[0:n0] | src1[0:n1] | src2[0:n2]] (4-byte words).
-extern "C" __global__ void nccl_pack(u64 dst, u64 src0, i64 n0, u64 src1, i64 n1, u64 src2, i64 n2,
-                                     i64 tag, i64 pad_bs, i64 n, u64 counter) {
+// [tag, pad_bs, bs, seq | src0[0:n0] | src1[0:n1] | src2[0:n2]] (4-byte words).
+// The per-call values (the three sources, bs, bs_ptr) come first.
+extern "C" __global__ void nccl_pack(u64 src0, u64 src1, u64 src2, i64 bs, u64 bs_ptr, u64 dst,
+                                     i64 n0, i64 n1, i64 n2, i64 tag, i64 pad_bs, u64 counter) {
   int* d = reinterpret_cast<int*>(dst);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     d[0] = (int)tag;
     d[1] = (int)pad_bs;
-    d[2] = (int)n;
+    d[2] = resolve_bs(bs, bs_ptr);
     d[3] = *reinterpret_cast<const int*>(counter);
   }
   int* body = d + HDR_WORDS;
@@ -172,18 +195,15 @@ extern "C" __global__ void nccl_pack(u64 dst, u64 src0, i64 n0, u64 src1, i64 n1
 
 // Verify gathers, after the allGather: recv is int32[tp][width], slot src laid out
 // as nccl_pack wrote it; dst_k[src * n_k + j] = segment k of slot src. Block 0
-// checks the headers and advances seq.
+// checks the headers and advances seq. Every row moves (phantom rows included:
+// a few KB, and correct whatever bs is).
 extern "C" __global__ void nccl_unpack(u64 recv, i64 width, i64 tp, i64 rank, u64 dst0, i64 n0,
-                                       u64 dst1, i64 n1, u64 dst2, i64 n2, u64 hdr_table,
-                                       i64 table_entries, u64 counter, u64 err) {
+                                       u64 dst1, i64 n1, u64 dst2, i64 n2, u64 counter, u64 err) {
   const int* r = reinterpret_cast<const int*>(recv);
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
     const int* mine = r + rank * width;
-    if (threadIdx.x == 0) {
-      check_headers(r, width, tp, -1, mine, reinterpret_cast<ErrorBlock*>(err), rank);
-    }
-    advance_seq(mine[3] + 1, reinterpret_cast<int*>(counter), reinterpret_cast<int*>(hdr_table),
-                table_entries);
+    check_headers(r, width, tp, -1, mine, reinterpret_cast<ErrorBlock*>(err), rank);
+    *reinterpret_cast<int*>(counter) = mine[3] + 1;
   }
   int* d0 = reinterpret_cast<int*>(dst0);
   int* d1 = reinterpret_cast<int*>(dst1);

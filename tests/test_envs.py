@@ -1,0 +1,107 @@
+"""The environment registry: lazy parsing, clear errors, README's table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ipc_dpsample import envs
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_environment_table_lists_exactly_the_registry() -> None:
+    text = README.read_text()
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
+    names = set(re.findall(r"^\| `([A-Z0-9_]+)` \|", section, flags=re.M))
+    assert names == set(envs.REGISTRY), (
+        f"README only: {sorted(names - set(envs.REGISTRY))}; "
+        f"registry only: {sorted(set(envs.REGISTRY) - names)}"
+    )
+
+
+def test_every_variable_has_a_doc_and_a_default_that_parses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, var in envs.REGISTRY.items():
+        assert var.doc, name
+        monkeypatch.delenv(name, raising=False)
+        assert envs.get(name) == var.default
+        monkeypatch.setenv(name, "   ")  # blank counts as unset
+        assert envs.get(name) == var.default
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "pattern"),
+    [
+        ("IPC_DPSAMPLE_BACKEND", "mpi", r"IPC_DPSAMPLE_BACKEND='mpi'.*expected one of"),
+        ("IPC_DPSAMPLE_SWAP_BLOCK", "100", r"SWAP_BLOCK='100'.*\[32, 1024\].*multiple of 32"),
+        ("IPC_DPSAMPLE_SWAP_CHUNK", "x", r"SWAP_CHUNK='x'.*not an integer"),
+        ("IPC_DPSAMPLE_SWAP_UNROLL", "3", r"SWAP_UNROLL='3'.*one of \(1, 2, 4, 8, 16\)"),
+        ("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "0", r"CTAS_PER_SM='0'.*\[1, 32\]"),
+        ("IPC_DPSAMPLE_GRAPH_SWAP", "both", r"GRAPH_SWAP='both'.*'barrier', 'copy'"),
+    ],
+)
+def test_bad_values_name_the_variable_and_what_it_accepts(
+    monkeypatch: pytest.MonkeyPatch, name: str, raw: str, pattern: str
+) -> None:
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=pattern):
+        envs.get(name)
+
+
+def test_swap_tuning_reads_the_environment_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IPC_DPSAMPLE_SWAP_UNROLL", "8")
+    monkeypatch.setenv("IPC_DPSAMPLE_SWAP_STREAMING", "1")
+    monkeypatch.setenv("IPC_DPSAMPLE_GRAPH_SWAP", "COPY")
+    tun = envs.swap_tuning()
+    assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
+    assert tun.compile_options == ("-DDP_SWAP_UNROLL=8", "-DDP_SWAP_STREAMING=1")
+    monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
+    assert envs.swap_tuning().unroll == 4
+
+
+def test_importing_the_package_reads_no_tuning_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    import ipc_dpsample.backends.onesided.backend as backend
+
+    monkeypatch.setenv("IPC_DPSAMPLE_SWAP_BLOCK", "7")  # invalid: would raise if read
+    importlib.reload(backend)  # no import-time knob parsing any more
+
+
+@pytest.mark.parametrize(
+    ("ours", "alias", "expect"),
+    [(None, "torch", "torch"), ("torch", "nccl", "torch"), (None, None, "auto")],
+)
+def test_tokenspeed_alias_and_precedence(
+    monkeypatch: pytest.MonkeyPatch, ours: str | None, alias: str | None, expect: str
+) -> None:
+    from ipc_dpsample.comm import requested_backend
+
+    for name, value in (("IPC_DPSAMPLE_BACKEND", ours), ("TOKENSPEED_DP_SAMPLING_BACKEND", alias)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert requested_backend("auto") == expect
+
+
+def test_invalid_tokenspeed_alias_names_the_variable(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ipc_dpsample import DpSamplingComm
+
+    monkeypatch.setenv("TOKENSPEED_DP_SAMPLING_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"TOKENSPEED_DP_SAMPLING_BACKEND='fast'"):
+        DpSamplingComm(
+            tp_size=1, rank=0, max_pad_bs=2, num_tokens_per_req=1, vocab_size=4, device="cpu"
+        )
+    monkeypatch.setenv("TOKENSPEED_DP_SAMPLING_BACKEND", "torch")
+    with DpSamplingComm(
+        tp_size=1, rank=0, max_pad_bs=2, num_tokens_per_req=1, vocab_size=4, device="cpu"
+    ) as comm:
+        assert comm.explain().startswith("torch: requested explicitly")
