@@ -102,6 +102,7 @@ class DpSamplingComm:
         self._backend: Backend | None = None
         self._closed = False
         self._fallback = fallback_comm_backend
+        self._group_arg = group
         self._group: HostGroup = resolve_group(group)
         raw = dict(
             tp_size=tp_size,
@@ -140,11 +141,24 @@ class DpSamplingComm:
         )
         self._records: list[PeerRecord] = built.records
         self._backend_name, self._reason, self._backend = built.name, built.reason, built.backend
+        if fallback_comm_backend is not None and built.name != "onesided":
+            self._backend_name = "torch"
+            self._reason += "; the data moves through fallback_comm_backend"
         self._logits_dtype = self.config.logits_dtype
         self._check = ArgChecker(self.config, self._device)
         self.layout = Layout(tp_size, max_pad_bs, num_tokens_per_req, vocab_size)
 
     def _make_backend(self, name: BackendName, records: list[PeerRecord]) -> Backend:
+        if self._fallback is not None:  # TokenSpeed: the non-one-sided path uses it
+            import torch
+
+            from .backends.fallback import CollectivesBackend
+
+            dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
+            backend = CollectivesBackend(self.config, self._fallback, self._group_arg, dev)
+            if self.config.logits_dtype is not None:
+                backend.prepare(self.config.logits_dtype)
+            return backend
         if name == "torch":
             import torch
 

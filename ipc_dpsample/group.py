@@ -8,12 +8,19 @@ A :class:`HostGroup` gives ``rank``, ``size``, ``all_gather_bytes`` and ``barrie
   and a missing peer raises within the timeout instead of hanging.
 * :class:`ThreadGroup`: several ranks as threads of one process (one GPU, one
   stream each): tests, benchmarks and the single-GPU demo.
+
+Collectives pair by ``(sequence number, what)``: the ``k``-th all-gather of every
+rank must name the same step. When one rank's ``k``-th exchange is, say, "IPC
+handle exchange" while another's is "config agreement", their set-up sequences
+diverged; every rank raises :class:`~ipc_dpsample.errors.DpSampleError` naming
+both steps instead of reading the other step's records.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -43,6 +50,33 @@ class HostGroup(Protocol):
         ...
 
     def barrier(self, *, timeout_s: float, what: str) -> None: ...
+
+
+_WHAT_LEN = struct.Struct("<H")
+
+
+def _tag(what: str, data: bytes) -> bytes:
+    """``what`` (length-prefixed UTF-8) in front of ``data``."""
+    raw = what.encode(errors="replace")
+    return _WHAT_LEN.pack(len(raw)) + raw + data
+
+
+def _untag(record: bytes) -> tuple[str, bytes]:
+    """Inverse of :func:`_tag`."""
+    (n,) = _WHAT_LEN.unpack_from(record)
+    end = _WHAT_LEN.size + n
+    return record[_WHAT_LEN.size : end].decode(errors="replace"), record[end:]
+
+
+def _check_steps(rank: int, seq: int, what: str, steps: Sequence[str], kind: str) -> None:
+    """Raise when a peer's ``seq``-th exchange names another step than ``what``."""
+    for peer, theirs in enumerate(steps):
+        if theirs != what:
+            raise DpSampleError(
+                f"rank {rank}: host exchange #{seq} of the {kind} is '{what}' here but "
+                f"'{theirs}' on rank {peer}: the ranks' set-up sequences diverged (one rank "
+                "skipped or added a step); every rank of the group raises this error"
+            )
 
 
 _seq_lock = threading.Lock()
@@ -90,6 +124,7 @@ class TorchStoreGroup:
         )
         self._prefix = f"ipc_dpsample/{key}/{instance}"
         self._op = itertools.count()
+        self._dedicated = itertools.count()
 
     @property
     def rank(self) -> int:
@@ -121,23 +156,72 @@ class TorchStoreGroup:
         directly; it is not registered with torch.distributed."""
         pg = self._member_pgs.get(device_type)
         if pg is None:
-            import torch.distributed as dist
-
-            store = dist.PrefixStore(f"{self._prefix}/pg/{device_type}", self._store)
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if device_type == "cpu":
-                pg = dist.ProcessGroupGloo(store, self._rank, self.size, timeout)
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(store, self._rank, self.size, opts)
+            pg = self._make_pg(f"{self._prefix}/pg/{device_type}", device_type, timeout_s)
             self._member_pgs[device_type] = pg
         return pg
+
+    def dedicated_process_group(self, device_type: str, timeout_s: float) -> tuple[Any, str]:
+        """A new members-only process group whose every collective fails after
+        ``timeout_s``, and a store key prefix of its own.
+
+        Collective: every member calls it in the same order. Unlike
+        :meth:`members_process_group` it is never shared, so a communicator can
+        abort its group after a failure without breaking another's.
+
+        Returns
+        -------
+        (process group, str)
+            The group (gloo for ``"cpu"``, NCCL otherwise; call its
+            ``alltoall_base`` directly) and the key prefix for :meth:`post` and
+            :meth:`collect`.
+        """
+        index = next(self._dedicated)
+        prefix = f"{self._prefix}/dedicated{index}"
+        return self._make_pg(f"{prefix}/pg/{device_type}", device_type, timeout_s), prefix
+
+    def _make_pg(self, prefix: str, device_type: str, timeout_s: float) -> Any:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self._store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device_type == "cpu":
+            return dist.ProcessGroupGloo(store, self._rank, self.size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, self._rank, self.size, opts)
+
+    @property
+    def store_host(self) -> int:
+        """This group's rank of the process that hosts the c10d store (global rank
+        0), or -1 when it is not a member."""
+        return self.global_ranks.index(0) if 0 in self.global_ranks else -1
+
+    def post(self, key: str, data: bytes) -> None:
+        """Publish this rank's record ``data`` under ``key`` (no wait)."""
+        self._store.set(f"{key}/{self._rank}", data)
+
+    def collect(self, key: str, wait_s: float) -> list[bytes | None]:
+        """Every rank's record under ``key``, waiting at most ``wait_s`` for them (0:
+        no wait); None for ranks that did not post within that time.
+
+        Raises
+        ------
+        Exception
+            Whatever the c10d store raises when it is unreachable (its host, global
+            rank 0, exited).
+        """
+        keys = [f"{key}/{r}" for r in range(self.size)]
+        if wait_s > 0:
+            try:
+                self._store.wait(keys, datetime.timedelta(seconds=wait_s))
+            except Exception:
+                pass  # some ranks did not post: reported as None
+        return [bytes(self._store.get(k)) if self._store.check([k]) else None for k in keys]
 
     def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
         op = next(self._op)
         base = f"{self._prefix}/{op}"
-        self._store.set(f"{base}/{self._rank}", data)
+        self._store.set(f"{base}/{self._rank}", _tag(what, data))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
             self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
@@ -147,7 +231,9 @@ class TorchStoreGroup:
                 f"rank {self._rank}: ranks {missing} of group {self.global_ranks} did not "
                 f"join '{what}' within {timeout_s:.1f} s ({exc})"
             ) from None
-        return [bytes(self._store.get(k)) for k in keys]
+        steps, records = zip(*(_untag(bytes(self._store.get(k))) for k in keys), strict=True)
+        _check_steps(self._rank, op, what, steps, f"group {self.global_ranks}")
+        return list(records)
 
     def barrier(self, *, timeout_s: float, what: str) -> None:
         self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)
@@ -201,7 +287,7 @@ class ThreadGroup:
         self._op += 1
         with sh.cond:
             slot = sh.slots.setdefault(op, {})
-            slot[self._rank] = bytes(data)
+            slot[self._rank] = _tag(what, data)
             sh.cond.notify_all()
             ok = sh.cond.wait_for(lambda: len(slot) >= sh.size or sh.failed, timeout=timeout_s)
             if len(slot) < sh.size and sh.failed:
@@ -217,14 +303,15 @@ class ThreadGroup:
                     f"rank {self._rank}: ranks {missing} of the thread group did not join "
                     f"'{what}' within {timeout_s:.1f} s"
                 )
-            result = [slot[r] for r in range(sh.size)]
+            steps, result = zip(*(_untag(slot[r]) for r in range(sh.size)), strict=True)
             readers = sh.readers.get(op, 0) + 1
             if readers == sh.size:  # last reader frees the slot
                 del sh.slots[op]
                 sh.readers.pop(op, None)
             else:
                 sh.readers[op] = readers
-        return result
+        _check_steps(self._rank, op, what, steps, "thread group")
+        return list(result)
 
     def barrier(self, *, timeout_s: float, what: str) -> None:
         self.all_gather_bytes(b"", timeout_s=timeout_s, what=what)

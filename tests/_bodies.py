@@ -632,3 +632,367 @@ def overlapping_subgroups(rank: int, world: int, group: Any, seed: int) -> list[
             chk.gather_logprobs(2 * tp)
         joined.append(members)
     return joined
+
+
+# -- the torch backend called directly: real rows (bs) and argmax ------------------------
+def _backend(comm: DpSamplingComm) -> Any:
+    """The communicator's backend (the tests call it with ``RealRows`` directly)."""
+    backend = comm._backend
+    assert backend is not None and comm.backend == "torch", comm.explain()
+    return backend
+
+
+def _bs_cases(tp: int, max_pad_bs: int, rng: random.Random, count: int) -> list[tuple[int, int]]:
+    """``(pad_bs, bs)`` pairs: 0, 1, pad_bs, one that leaves the last ranks without
+    real requests, one inside a rank's requests, then random ones."""
+    cases = [(max_pad_bs, 0), (max_pad_bs, 1), (max_pad_bs, max_pad_bs), (tp, tp)]
+    if max_pad_bs // tp >= 2:
+        cases.append((max_pad_bs, max_pad_bs // tp + 1))  # rank 1 partial, later ranks none
+    while len(cases) < count:
+        pad_bs = tp * rng.randint(1, max_pad_bs // tp)
+        cases.append((pad_bs, rng.randint(0, pad_bs)))
+    return cases
+
+
+def torch_real_rows(rank: int, tp: int, group: Any, seed: int) -> int:
+    """Every op with a host ``bs`` (RealRows) on random data: the real rows equal the
+    reference bit-exactly (swap rows ``[0, real_reqs*N)``, gathered rows ``[0, bs)``).
+    Returns the checked cases."""
+    from ipc_dpsample.arrays import describe
+    from ipc_dpsample.backends.base import RealRows
+    from ipc_dpsample.layout import real_reqs
+
+    rng = random.Random(seed)
+    checked = 0
+    n, max_pad_bs = 2, 4 * tp
+    for dtype in ("bfloat16", "float32"):
+        with _comm(
+            rank, tp, group, max_pad_bs=max_pad_bs, num_tokens_per_req=n, vocab_size=5 * tp,
+            logits_dtype=dtype,
+        ) as comm:  # fmt: skip
+            be = _backend(comm)
+            for step, (pad_bs, bs) in enumerate(_bs_cases(tp, max_pad_bs, rng, 12)):
+                r = pad_bs // tp
+                mine = real_reqs(r, bs, rank)
+                rows = RealRows(bs, 0, True)
+                key = (seed, step, len(dtype))
+                xs = [random_logits((*key, s), (pad_bs * n, 5), dtype) for s in range(tp)]
+                want = reference_swap_batch_vocab(
+                    [bits(x) for x in xs], tp=tp, num_tokens_per_req=n, pad_bs=pad_bs
+                )[rank][: mine * n]
+                out = be.swap_batch_vocab(
+                    xs[rank], describe(xs[rank]), pad_bs=pad_bs, bs=rows, stream=None
+                )
+                assert out.shape == (r * n, 5 * tp), out.shape
+                assert_bits(f"swap(pad_bs={pad_bs}, bs={bs})", out[: mine * n], want, "torch")
+                poison(out)
+
+                ints = [
+                    [random_int32((*key, s, f), shape) for s in range(tp)]
+                    for f, shape in ((2, (r, n)), (3, (r, n)), (4, (r,)))
+                ]
+                wants = reference_gather_verify_outputs(*[[bits(a) for a in f] for f in ints])
+                args = [f[rank] for f in ints]
+                outs = be.gather_verify_outputs(
+                    *args, describe(args[0]), pad_bs=pad_bs, bs=rows, stream=None
+                )
+                for name, got, w in zip(("predict", "accept", "length"), outs, wants, strict=True):
+                    assert got.shape[0] == pad_bs, got.shape
+                    assert_bits(f"{name}(pad_bs={pad_bs}, bs={bs})", got[:bs], w[:bs], "torch")
+                    poison(got)
+
+                lps = [random_logprobs((*key, s, 5), (r, n)) for s in range(tp)]
+                w = reference_gather_verify_logprobs([bits(a) for a in lps])
+                got = be.gather_verify_logprobs(
+                    lps[rank], describe(lps[rank]), pad_bs=pad_bs, bs=rows, stream=None
+                )
+                assert_bits(f"logprobs(pad_bs={pad_bs}, bs={bs})", got[:bs], w[:bs], "torch")
+                poison(got)
+                checked += 1
+    return checked
+
+
+#: The row kinds of the argmax cases (each case mixes them over its rows).
+ARGMAX_ROWS = ("random", "tie_boundary", "nan", "two_nans", "neg_inf", "pos_inf", "huge", "beyond")
+_HUGE = {"bfloat16": 3.0e38, "float16": 65504.0, "float32": 3.4e38}
+
+
+def argmax_rows(
+    key: tuple[int, ...], rows: int, v: int, tp: int, limit: int, dtype: str
+) -> np.ndarray:
+    """``[rows, V]`` float32 logits (exactly representable in ``dtype``) whose rows
+    cycle through :data:`ARGMAX_ROWS`, the same on every rank for one key."""
+    g = _rng(*key)
+    x = np.array(random_logits(key, (rows, v), dtype).float().numpy())
+    vs = v // tp
+    for i in range(rows):
+        kind = ARGMAX_ROWS[i % len(ARGMAX_ROWS)]
+        if kind == "tie_boundary" and tp > 1:  # equal maxima on both sides of a boundary
+            b = vs * int(g.integers(1, tp))
+            if b < limit:
+                x[i, b - 1] = x[i, b] = 100.0
+        elif kind == "nan":
+            x[i, int(g.integers(0, limit))] = np.nan
+        elif kind == "two_nans":
+            x[i, g.choice(limit, size=min(2, limit), replace=False)] = np.nan
+        elif kind == "neg_inf":
+            x[i, :] = -np.inf
+        elif kind == "pos_inf":
+            x[i, int(g.integers(0, limit))] = np.inf
+        elif kind == "huge":
+            x[i, :] = -_HUGE[dtype]
+            x[i, int(g.integers(0, limit))] = _HUGE[dtype]
+        elif kind == "beyond" and limit < v:  # the largest value is past vocab_limit
+            x[i, limit:] = _HUGE[dtype]
+    return x
+
+
+def torch_argmax(rank: int, tp: int, group: Any, seed: int) -> int:
+    """argmax_batch_vocab against the NumPy reference for bf16/fp16/fp32, several
+    vocab_limit, pad_bs and bs, on rows with ties across shard boundaries, NaNs,
+    -inf/+inf and huge values: ids exact, logprobs within 1e-5 (NaN where the
+    reference has NaN). Returns the checked cases."""
+    from ipc_dpsample.arrays import describe
+    from ipc_dpsample.backends.base import RealRows
+    from ipc_dpsample.layout import real_reqs, reference_argmax_batch_vocab
+
+    rng = random.Random(seed)
+    n, max_pad_bs, vs = 2, 3 * tp, 6
+    v = vs * tp
+    checked = 0
+    for dtype in LOGITS_DTYPES:
+        with _comm(
+            rank, tp, group, max_pad_bs=max_pad_bs, num_tokens_per_req=n, vocab_size=v,
+            logits_dtype=dtype,
+        ) as comm:  # fmt: skip
+            be = _backend(comm)
+            limits = sorted({v, v - 1, max(1, v - vs - 1), 1, rng.randint(1, v)})
+            for step, limit in enumerate(limits * 2):
+                pad_bs = tp * rng.randint(1, max_pad_bs // tp)
+                given = step >= len(limits)
+                bs = rng.randint(0, pad_bs) if given else pad_bs
+                full = argmax_rows((seed, step, len(dtype)), pad_bs * n, v, tp, limit, dtype)
+                shards = [
+                    torch.from_numpy(np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]))
+                    .to(TORCH_DTYPES[dtype])
+                    for s in range(tp)
+                ]  # fmt: skip
+                ref_in = [bits(t) if dtype == "bfloat16" else t.numpy() for t in shards]
+                want_ids, want_lp = reference_argmax_batch_vocab(
+                    ref_in, tp=tp, num_tokens_per_req=n, pad_bs=pad_bs, dtype=dtype,
+                    vocab_limit=limit,
+                )[rank]  # fmt: skip
+                rows = RealRows(bs, 0, True) if given else RealRows.every(pad_bs)
+                x = shards[rank]
+                ids, lps = be.argmax_batch_vocab(
+                    x, describe(x), pad_bs=pad_bs, vocab_limit=limit, bs=rows, stream=None
+                )
+                real = real_reqs(pad_bs // tp, bs, rank) * n
+                what = f"argmax({dtype}, pad_bs={pad_bs}, bs={bs}, vocab_limit={limit})"
+                assert ids.dtype == torch.int32 and lps.dtype == torch.float32, what
+                assert ids.shape == lps.shape == (pad_bs // tp * n,), (what, ids.shape)
+                got_ids, got_lp = ids.numpy()[:real], lps.numpy()[:real]
+                bad = np.flatnonzero(got_ids != want_ids[:real])
+                assert not len(bad), f"{what}: ids differ at rows {bad}: {got_ids} vs {want_ids}"
+                w = want_lp[:real]
+                assert np.array_equal(np.isnan(got_lp), np.isnan(w)), f"{what}: {got_lp} vs {w}"
+                ok = ~np.isnan(w)
+                err = np.abs(got_lp[ok] - w[ok])
+                assert not err.size or err.max() <= 1e-5, f"{what}: logprob error {err.max()}"
+                poison(ids)
+                poison(lps)
+                checked += 1
+    return checked
+
+
+def torch_divergence_bs_and_argmax(rank: int, tp: int, group: Any) -> list[str]:
+    """The last rank passes another bs (host), then calls argmax while the others
+    swap (and the reverse): every rank raises the divergence error; later calls
+    re-raise it."""
+    from ipc_dpsample.arrays import describe
+    from ipc_dpsample.backends.base import RealRows
+
+    last = rank == tp - 1
+    messages = []
+    x = random_logits((3, rank), (2 * tp, 4), "float32")
+    for case in ("bs", "bs_none", "argmax_vs_swap", "swap_vs_argmax"):
+        with _comm(
+            rank, tp, group, max_pad_bs=2 * tp, num_tokens_per_req=1, vocab_size=4 * tp,
+            logits_dtype="float32", timeout_s=10,
+        ) as comm:  # fmt: skip
+            be = _backend(comm)
+            info = describe(x)
+            if case == "bs":
+                bs = RealRows(tp + 1 if last else tp, 0, True)
+            elif case == "bs_none":
+                bs = RealRows.every(2 * tp) if last else RealRows(2 * tp - 1, 0, True)
+            else:
+                bs = RealRows.every(2 * tp)
+            # argmax_vs_swap: the last rank calls argmax, the others swap; and the reverse
+            argmax = last if case == "argmax_vs_swap" else (case == "swap_vs_argmax" and not last)
+
+            def call(
+                argmax: bool = argmax, bs: RealRows = bs, be: Any = be, info: Any = info
+            ) -> Any:
+                if argmax:
+                    return be.argmax_batch_vocab(
+                        x, info, pad_bs=2 * tp, vocab_limit=4 * tp, bs=bs, stream=None
+                    )
+                return be.swap_batch_vocab(x, info, pad_bs=2 * tp, bs=bs, stream=None)
+
+            msg = _expect_divergence(rank, case, call)
+            assert "call sequences diverged" in msg and "every later call raises" in msg, msg
+            if case.startswith("bs"):
+                assert "bs=" in msg, msg
+            else:
+                assert "argmax_batch_vocab" in msg and "swap_batch_vocab" in msg, msg
+            again = _expect_divergence(rank, case + " again", call)
+            assert again == msg, (again, msg)
+            messages.append(msg)
+    return messages
+
+
+# -- bounded waits: stalled, dead and failing peers ----------------------------------------
+FAIL_TIMEOUT_S = 3.0
+
+
+def _timed_error(call: Any) -> tuple[BaseException, float]:
+    t0 = time.monotonic()
+    try:
+        call()
+    except DpSampleError as exc:
+        return exc, time.monotonic() - t0
+    raise AssertionError("the op returned although a peer did not take part")
+
+
+def _assert_sticky(comm: DpSamplingComm, first: BaseException, call: Any) -> None:
+    """Every later call and check() re-raise ``first``; close() returns at once."""
+    assert "every later call raises this error" in str(first), first
+    for again in (call, comm.check):
+        try:
+            again()
+        except DpSampleError as exc:
+            assert exc is first, (exc, first)
+        else:
+            raise AssertionError("a poisoned communicator accepted a call")
+    t0 = time.monotonic()
+    comm.close()
+    assert time.monotonic() - t0 < 2.0, "close() of a poisoned communicator waited"
+
+
+def torch_stalled_peer(rank: int, tp: int, group: Any) -> dict[str, Any]:
+    """The last rank sleeps past timeout_s before a swap: the others raise
+    PeerTimeoutError naming it within timeout_s + 2 s (asserted < timeout_s + 5);
+    the late rank raises DpSampleError at once; a fresh communicator works after."""
+    from ipc_dpsample import PeerTimeoutError
+
+    late = rank == tp - 1
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=2 * tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    chk = Checker(comm, rank, tp, 11)
+    chk.swap(tp)  # a healthy op first
+    x = torch.ones(tp, 2)
+    call = lambda: comm.swap_batch_vocab(x, pad_bs=tp)  # noqa: E731
+    if late:
+        time.sleep(FAIL_TIMEOUT_S + 3.0)
+    exc, elapsed = _timed_error(call)
+    if late:
+        assert not isinstance(exc, PeerTimeoutError), exc
+        assert "late" in str(exc), exc
+        assert elapsed < 5.0, f"the late rank took {elapsed:.1f} s to raise"
+    else:
+        assert isinstance(exc, PeerTimeoutError), repr(exc)
+        assert (exc.rank, exc.peer, exc.op) == (rank, tp - 1, "swap_batch_vocab"), exc
+        assert f"rank {tp - 1} did not take part" in str(exc), exc
+        assert FAIL_TIMEOUT_S * 0.8 < elapsed < FAIL_TIMEOUT_S + 5, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    _fresh_comm_works(rank, tp, group)
+    return {"type": type(exc).__name__, "elapsed": elapsed, "message": str(exc)}
+
+
+def torch_dead_peer(rank: int, tp: int, group: Any, report_dir: str, victim: int) -> None:
+    """Rank ``victim`` exits (``os._exit(17)``) while the others wait in a swap: they
+    raise PeerTimeoutError naming it within timeout_s + 2 s, their communicator is
+    poisoned and closes at once. Rank 0 also hosts the c10d store, so its death
+    tests the path without a store. Survivors write what they saw to
+    ``report_dir`` (the harness reports the dead rank, so results cannot travel
+    back)."""
+    import json
+    import os
+
+    from ipc_dpsample import PeerTimeoutError
+
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=2 * tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    Checker(comm, rank, tp, 12).swap(tp)
+    if rank == victim:
+        time.sleep(0.5)  # the others are waiting in the swap by now
+        os._exit(17)
+    x = torch.ones(tp, 2)
+    call = lambda: comm.swap_batch_vocab(x, pad_bs=tp)  # noqa: E731
+    exc, elapsed = _timed_error(call)
+    assert isinstance(exc, PeerTimeoutError), repr(exc)
+    assert (exc.rank, exc.peer, exc.op) == (rank, victim, "swap_batch_vocab"), exc
+    assert elapsed < FAIL_TIMEOUT_S + 5, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peer": exc.peer, "elapsed": elapsed, "message": str(exc)}, f)
+
+
+class _FailingGroup:
+    """A process group whose collectives raise, as a broken transport would."""
+
+    def alltoall_base(self, *args: Any) -> Any:
+        raise RuntimeError("injected c10d failure")
+
+    def abort(self) -> None:
+        pass
+
+
+def torch_wrapped_c10d_failure(rank: int, tp: int, group: Any) -> str:
+    """Every rank's collective raises a c10d RuntimeError while every peer takes part
+    in the same call: each raises DpSampleError (not PeerTimeoutError) with the
+    RuntimeError chained, at once, and the communicator stays poisoned."""
+    from ipc_dpsample import PeerTimeoutError
+
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    _backend(comm)._pg = _FailingGroup()
+    i32 = torch.ones(1, 1, dtype=torch.int32)
+    call = lambda: comm.gather_verify_outputs(i32, i32, i32[:, 0], pad_bs=tp)  # noqa: E731
+    exc, elapsed = _timed_error(call)
+    assert not isinstance(exc, PeerTimeoutError), repr(exc)
+    assert isinstance(exc.__cause__, RuntimeError), repr(exc.__cause__)
+    assert "injected c10d failure" in str(exc) and "gather_verify_outputs" in str(exc), exc
+    assert elapsed < 2.0, f"raised after {elapsed:.1f} s"
+    _assert_sticky(comm, exc, call)
+    return str(exc)
+
+
+# -- host groups pair collectives by (sequence, what) ------------------------------------
+def group_steps_diverge(rank: int, tp: int, group: Any) -> list[str]:
+    """The last rank's second host all-gather is another step than the others': every
+    rank raises DpSampleError naming both steps, then matching steps work again.
+    ``group``: a HostGroup (ThreadGroup) or None/tuple (a TorchStoreGroup is made)."""
+    from ipc_dpsample.group import resolve_group
+
+    host = group if hasattr(group, "all_gather_bytes") else resolve_group(group)
+    got = host.all_gather_bytes(bytes([rank]), timeout_s=30, what="config agreement")
+    assert got == [bytes([r]) for r in range(tp)], got
+    what = "IPC handle exchange" if rank == tp - 1 else "nccl probe"
+    try:
+        host.all_gather_bytes(b"x", timeout_s=30, what=what)
+    except DpSampleError as exc:
+        message = str(exc)
+        assert "'IPC handle exchange'" in message and "'nccl probe'" in message, message
+        assert "set-up sequences diverged" in message, message
+    else:
+        raise AssertionError(f"rank {rank}: '{what}' paired with another step")
+    host.barrier(timeout_s=30, what="after the divergence")
+    return [message]

@@ -56,7 +56,7 @@ static std::barrier<>* g_barrier = nullptr;
 #define __shared__ static
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 #define __expf(x) std::exp(static_cast<float>(x))
-// every load of the logits: bytes read (once per counted element?) and alignment
+// every load of the logits: bytes read (each counted element exactly once) and alignment
 static std::atomic<unsigned long long> g_bytes{0}, g_vectors{0}, g_misaligned{0};
 static inline void emu_load(unsigned long long addr, unsigned long long bytes) {
   g_bytes += bytes;

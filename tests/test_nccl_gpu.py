@@ -686,16 +686,26 @@ def test_tp1_routed_through_nccl_self_send_recv(kind: str, dtype: str, vocab: in
         ops.close()
 
 
-def test_tp1_prepare_switches_dtype_between_swaps() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_tp1_lazy_dtype_is_fixed_by_the_first_swap(dtype: str) -> None:
+    """TokenSpeed semantics on NCCL: logits_dtype=None, the first swap fixes the
+    dtype, a later prepare is a no-op, another dtype raises naming both."""
     _require_gpus()
     _require_torch_cuda()
+    from ipc_dpsample import DtypeMismatchError
+
     comm = _comm(1, 0, ThreadGroup.create(1)[0], device=0, dtype=None, vocab=40, max_pad_bs=4)
     try:
-        for dtype in ("float32", "bfloat16", "float16", "float32"):
-            comm.prepare_verify_outputs(dtype)
-            case = _Case(0, 1, 3, 40, dtype, "torch", seed=5)
-            out = _check_swap(comm, case, 4)
-            assert str(out.dtype) == f"torch.{dtype}"
+        assert comm.logits_dtype is None
+        case = _Case(0, 1, 3, 40, dtype, "torch", seed=5)
+        out = _check_swap(comm, case, 4)
+        assert str(out.dtype) == f"torch.{dtype}" and comm.logits_dtype == dtype
+        comm.prepare_verify_outputs("float32" if dtype != "float32" else "float16")
+        assert comm.logits_dtype == dtype
+        other = "float32" if dtype != "float32" else "bfloat16"
+        with pytest.raises(DtypeMismatchError, match=rf"{other} != .*{dtype}"):
+            _check_swap(comm, _Case(0, 1, 3, 40, other, "torch", seed=6), 4)
+        _check_swap(comm, _Case(0, 1, 3, 40, dtype, "torch", seed=7), 4)
         comm.check()
     finally:
         comm.close()

@@ -382,3 +382,73 @@ def test_argmax_and_bs_across_processes_sharing_one_gpu(tp):
         tp, _mp_argmax_body, timeout_s=600, env={"IPC_DPSAMPLE_TEST_PG_BACKEND": "gloo"}
     )
     assert out == [True] * tp
+
+
+# -- TokenSpeed usage under CUDA graphs (issue 16) ----------------------------------------
+def _tokenspeed_graph_body(rank, tp, group, pair):
+    """``pair=False``: one communicator built with ``logits_dtype=None`` whose FIRST
+    swap is captured (the capture fixes the dtype), with a gather, replayed 5 times
+    with new values. ``pair=True``: TokenSpeed's executor comm (only swaps, dtype from
+    the first swap) and sampler comm (only gathers, after prepare_verify_outputs) on
+    the same ranks, captured into one graph."""
+    import torch
+
+    torch.cuda.set_device(0)
+    n, vs, pad_bs = 2, 32, 2 * tp
+    r = pad_bs // tp
+    stream = torch.cuda.Stream()
+    failures = []
+    with torch.cuda.stream(stream):
+        kw = dict(max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=vs * tp, logits_dtype=None)
+        executor = _comm(group, rank, tp, **kw)
+        sampler = _comm(group, rank, tp, **kw) if pair else executor
+        if pair:
+            sampler.prepare_verify_outputs(torch.float32)
+        x = torch.zeros(pad_bs * n, vs, dtype=torch.bfloat16, device="cuda")
+        p = torch.zeros(r, n, dtype=torch.int32, device="cuda")
+        a, ln = torch.zeros_like(p), torch.zeros(r, dtype=torch.int32, device="cuda")
+        plans = [
+            (all_inputs(300 + i, tp, pad_bs, n, vs, "bfloat16"), all_verify(400 + i, tp, pad_bs, n))
+            for i in range(5)
+        ]
+        dev = [(xs[rank].cuda(), [t[rank].cuda() for t in v[:3]]) for xs, v in plans]
+        for t in (x, p, a, ln):
+            torch.mul(t, 1, out=t)
+        _settle(group, "allocated")
+        graph = torch.cuda.CUDAGraph()
+        with (
+            _CAPTURE_LOCK,
+            torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
+        ):
+            y = executor.swap_batch_vocab(x, pad_bs=pad_bs)  # fixes bfloat16 in the capture
+            outs = sampler.gather_verify_outputs(p, a, ln, pad_bs=pad_bs)
+        assert executor.logits_dtype == "bfloat16"
+        _settle(group, "captured")
+        for i, ((xs, v), (xd, vd)) in enumerate(zip(plans, dev, strict=True)):
+            torch.mul(xd, 1, out=x)
+            for src, dst in zip(vd, (p, a, ln), strict=True):
+                torch.mul(src, 1, out=dst)
+            _settle(group, f"inputs {i}")
+            graph.replay()
+            group.barrier(timeout_s=60, what=f"replay {i}")
+            _settle(group, f"replayed {i}")
+            executor.check()
+            sampler.check()
+            if not np.array_equal(bits(y), bits(swap_reference_torch(xs, rank, tp, pad_bs, n))):
+                failures.append((i, "swap"))
+            for o, full in zip(outs, v[:3], strict=True):
+                if not np.array_equal(
+                    o.cpu().numpy(), full.reshape(pad_bs, -1).squeeze(-1).numpy()
+                ):
+                    failures.append((i, "gather"))
+        group.barrier(timeout_s=60, what="before close")
+        executor.close()
+        if pair:
+            sampler.close()
+    return failures
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["lazy-dtype", "executor+sampler"])
+def test_tokenspeed_style_capture_with_a_lazy_dtype_replays_new_values(pair):
+    out = run_threads(2, _tokenspeed_graph_body, pair, timeout_s=300)
+    assert out == [[], []], out

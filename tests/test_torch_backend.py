@@ -9,10 +9,14 @@ the same file runs unchanged on the launched ranks under
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import _bodies
 import pytest
 
-from ipc_dpsample.testing import run_ranks
+from ipc_dpsample.launch import launched_world
+from ipc_dpsample.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -65,3 +69,55 @@ def test_runtime_op_mismatch_raises_on_every_rank() -> None:
     results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
     for messages in results:
         assert len(messages) == 6
+
+
+# -- issue 13 / 14: real rows and argmax, the backend called with RealRows ----------------
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_real_rows_of_every_op_match_the_reference(world: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.torch_real_rows, SEED + 13), world)
+    for checked in results:
+        assert checked == 24, checked  # 2 dtypes x 12 (pad_bs, bs) cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_argmax_batch_vocab_matches_the_reference(world: int) -> None:
+    results = _ranks_ran(run_ranks(world, _bodies.torch_argmax, SEED + 14), world)
+    for checked in results:
+        assert checked >= 3 * 2 * 3, checked  # 3 dtypes x >= 3 vocab limits x 2 (bs)
+
+
+def test_different_bs_or_op_raises_on_every_rank() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.torch_divergence_bs_and_argmax), 2)
+    for messages in results:
+        assert len(messages) == 4, messages
+
+
+# -- issue 15: bounded waits ---------------------------------------------------------------
+def test_stalled_peer_raises_peer_timeout_naming_it() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.torch_stalled_peer, timeout_s=90), 2)
+    if len(results) == 2:
+        assert [r["type"] for r in results] == ["PeerTimeoutError", "DpSampleError"], results
+
+
+def test_wrapped_c10d_failure_is_a_dp_sample_error_with_cause() -> None:
+    results = _ranks_ran(run_ranks(2, _bodies.torch_wrapped_c10d_failure, timeout_s=60), 2)
+    for message in results:
+        assert "every peer took part" in message, message
+
+
+@pytest.mark.skipif(
+    launched_world() is not None,
+    reason="kills a rank: runs only when pytest spawns the ranks (a launched world would die)",
+)
+@pytest.mark.parametrize(("world", "victim"), [(2, 1), (3, 2), (2, 0)])
+def test_dead_peer_raises_peer_timeout_naming_it(world: int, victim: int, tmp_path: Path) -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(world, _bodies.torch_dead_peer, str(tmp_path), victim, timeout_s=90)
+    text = str(info.value)
+    # only the killed rank failed; the survivors' bodies asserted their error and returned
+    assert f"rank {victim} exited with code 17" in text, text
+    assert text.count("failed ---") == 1 and "did not finish" not in text, text
+    for rank in set(range(world)) - {victim}:
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["peer"] == victim, seen
+        assert seen["elapsed"] < _bodies.FAIL_TIMEOUT_S + 2, seen

@@ -1,46 +1,108 @@
-"""The portable backend: torch.distributed collectives on the caller's group.
+"""The portable backend: torch.distributed collectives on a process group of its own.
 
-CPU tensors (and NumPy arrays) travel over gloo, CUDA tensors over the group's
-NCCL. Logits travel as raw bytes (``uint8`` views), so every dtype moves
-bit-exactly on every process-group backend. The verify outputs are packed into
-one int32 all-gather.
+CPU tensors (and NumPy arrays) travel over gloo, CUDA tensors over NCCL. Every op
+is one ``alltoall_base`` on a members-only process group this communicator builds
+on the c10d store with the communicator's ``timeout_s``; logits travel as raw bytes,
+so every dtype moves bit-exactly.
 
-Mismatch check: every op starts with an all-gather of the same width, ``W = 4 +
-R_max*(2N+1)`` int32 words per rank, whose first 4 words are a header (op, pad_bs,
-N, op sequence). The gathers carry their payload in the rest of it (one collective
-each); the swap sends the header alone in it, then its all-to-all. Because that
-first collective has the same size for every op, ranks whose call sequences
-diverged (another op, another ``pad_bs``, a skipped op) meet in it, and every rank
-raises :class:`~ipc_dpsample.errors.DpSampleError` before any data lands in an
-output. The swap pays one small extra collective for it.
+Wire format
+-----------
+To every peer a rank sends one block: a 16-byte header (:meth:`Call.header
+<ipc_dpsample.protocol.Call.header>`: op/dtype, ``pad_bs``, ``bs``, sequence
+number), then the payload, padded to 16 bytes. A rank never sends to itself: its
+own rows are copied locally. Every receive slot has the size ``M`` of the largest
+block any op can send (``max_pad_bs``-sized), while a sender sends only what the
+call needs (``pad_bs``/``bs``-sized): gloo accepts a shorter message into a larger
+slot, never a longer one (it aborts the process). So ranks that diverged (another
+op, ``pad_bs``, ``bs`` or dtype, a skipped op) still complete the collective, every
+rank compares every peer's header with its own *before* it unpacks anything, and
+every rank raises :func:`~ipc_dpsample.protocol.divergence_message` in the same
+call. NCCL needs equal sizes on both sides, so on CUDA every block travels at its
+full size ``M`` (this backend is the fallback there; the nccl and onesided
+backends are the fast ones).
+
+Bounded waits
+-------------
+The gloo group's timeout is ``timeout_s``: a collective waiting for a stalled peer
+fails after it, one whose peer exited fails at once (connection reset). On CUDA the
+host polls the work until ``timeout_s``. On any failure the rank aborts its group
+(peers blocked in it fail at once), posts its header to the c10d store and waits
+up to :data:`REPORT_WAIT_S` for every peer's, then raises
+
+* the divergence error when a peer's header differs from its own;
+* :class:`~ipc_dpsample.errors.PeerTimeoutError` naming the first peer whose
+  record never came (it stalled or exited before the op);
+* a :class:`~ipc_dpsample.errors.DpSampleError` saying that the peers gave up on
+  this rank, when a peer's verdict names it (it arrived late);
+* :class:`~ipc_dpsample.errors.PeerTimeoutError` naming the store's host (global
+  rank 0) when the c10d store itself is unreachable;
+* otherwise a :class:`~ipc_dpsample.errors.DpSampleError` with the c10d error
+  chained.
+
+So a rank raises within ``timeout_s + REPORT_WAIT_S`` (+ a few store round trips)
+of entering the op. After any of these errors the communicator is poisoned: every
+later call (and :meth:`TorchBackend.check`) raises the same error again.
+
+Real rows (``bs``)
+------------------
+A host ``bs`` moves only real rows: to peer ``p`` the rows of its
+``real_reqs(R, bs, p)`` requests, and the gathers send each rank's real rows only.
+A device scalar ``bs`` (CUDA) is not read: every row moves (fixed counts, as
+``bs=None``); the header then carries ``bs=-1``. The backend does not support
+CUDA-graph capture (its header check reads the host); capturing raises.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..arrays import ArrayInfo, ArrayKind
 from ..config import CommConfig
-from ..errors import DpSampleError
+from ..errors import DpSampleError, PeerTimeoutError
 from ..group import TorchStoreGroup
-from .base import Backend
+from ..layout import real_reqs
+from ..protocol import Call, Dtype, Op, divergence_message
+from .base import Backend, RealRows
+from .torch_argmax import PARTIAL_WORDS, combine_partials, local_partials
 
-__all__ = ["TorchBackend"]
+__all__ = ["REPORT_WAIT_S", "TorchBackend"]
 
 _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
-    "int32": torch.int32,
 }
-OP_SWAP, OP_GATHER_OUTPUTS, OP_GATHER_LOGPROBS = 1, 2, 3
-_OP_NAMES = {1: "swap_batch_vocab", 2: "gather_verify_outputs", 3: "gather_verify_logprobs"}
-_HEADER = 4
+_HDR = 16  # header bytes at the start of every block
+_HDR_WORDS = _HDR // 4
+#: Longest wait for the peers' failure records after a collective failed.
+REPORT_WAIT_S = 1.5
+_FAIL_RECORD = struct.Struct("<4i")
+_UNUSABLE = (
+    "This communicator is now unusable: every later call raises this error; close it "
+    "and build a new one"
+)
+_PLAN_CACHE_LIMIT = 4096
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class _Plan(NamedTuple):
+    """What one (op, pad_bs, bs) call sends and where its results land."""
+
+    send: torch.Tensor  # uint8, the packed blocks for the peers
+    send_splits: list[int]  # bytes to each rank (0 to itself)
+    send_hdr: Any  # int32 word indices of the headers in the send buffer [peers, 4]
+    pack: list[tuple[torch.Tensor, int, int]]  # (send payload view, src byte lo, hi)
+    unpack: list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, received view)
+    extra: tuple[Any, ...] = ()  # op-specific views
 
 
 class TorchBackend(Backend):
@@ -50,6 +112,7 @@ class TorchBackend(Backend):
     ----------
     cfg : CommConfig
     group : TorchStoreGroup
+        Its store carries the dedicated process group and the failure records.
     device : torch.device
         ``cpu`` or ``cuda:k``; every persistent buffer lives there.
     """
@@ -60,51 +123,75 @@ class TorchBackend(Backend):
         self.cfg = cfg
         self.group = group
         self.device = device
-        self.pg = group.process_group
-        # a tuple subgroup runs on a members-only group driven directly
-        self._direct = (
-            None
-            if self.pg is not None
-            else group.members_process_group(device.type, timeout_s=max(60.0, cfg.timeout_s))
-        )
-        tp, n = cfg.tp_size, cfg.num_tokens_per_req
-        rmax = cfg.max_pad_bs // tp
+        self._rank, self._tp = group.rank, cfg.tp_size
+        self._n = cfg.num_tokens_per_req
+        self._vs = cfg.vocab_size // cfg.tp_size
+        self._rmax = cfg.max_pad_bs // cfg.tp_size
+        self._cpu = device.type == "cpu"
+        self._failure: DpSampleError | None = None
         self._seq = 0
-        self._logits_dtype: str | None = None
+        self._pg: Any = None
+        self._key = ""
+        if self._tp > 1:
+            self._pg, self._key = group.dedicated_process_group(device.type, cfg.timeout_s)
         kw: dict[str, Any] = {"device": device}
-        # every op's first collective: [tp, W] int32, header + packed gather payload
-        self._width = _HEADER + rmax * (2 * n + 1)
-        self._send = torch.zeros(self._width, dtype=torch.int32, **kw)
-        self._recv = torch.empty(tp * self._width, dtype=torch.int32, **kw)
+        n, rmax, peers = self._n, self._rmax, max(self._tp - 1, 1)
+        itemsize = _TORCH_DTYPES[cfg.logits_dtype or "float32"].itemsize
+        # M: the largest block any op sends to one peer
+        self._block = _round16(
+            _HDR
+            + max(
+                rmax * n * self._vs * itemsize,  # swap
+                rmax * (2 * n + 1) * 4,  # gather_verify_outputs
+                rmax * n * PARTIAL_WORDS * 4,  # argmax partials
+            )
+        )
+        self._send = torch.empty(peers * self._block, dtype=torch.uint8, **kw)
+        self._recv = torch.empty(peers * self._block, dtype=torch.uint8, **kw)
+        self._recv_splits = [0 if p == self._rank else self._block for p in range(self._tp)]
+        self._recv2d = self._recv.view(peers, self._block)
+        self._recv_hdr = np.arange(peers)[:, None] * (self._block // 4) + np.arange(_HDR_WORDS)
+        self._hdr = np.zeros(_HDR_WORDS, dtype=np.int32)  # this call's header
+        if self._cpu:
+            self._send_w: Any = self._send.numpy().view(np.int32)
+            self._recv_w: Any = self._recv.numpy().view(np.int32)
+        else:
+            self._send_w = self._send.view(torch.int32)
+            self._recv_w = self._recv.view(torch.int32)
+            self._hdr_host = torch.zeros(_HDR_WORDS, dtype=torch.int32).pin_memory()
+            self._hdr_dev = torch.zeros(_HDR_WORDS, dtype=torch.int32, **kw)
+            self._recv_hdr_dev = torch.from_numpy(self._recv_hdr).to(device)
         self.out_predict = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
         self.out_accept_index = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
         self.out_accept_length = torch.empty(cfg.max_pad_bs, dtype=torch.int32, **kw)
         self.out_logprobs = torch.empty(cfg.max_pad_bs, n, dtype=torch.float32, **kw)
-        self._staging: torch.Tensor | None = None
+        self.out_token_ids = torch.empty(rmax * n, dtype=torch.int32, **kw)
+        self.out_argmax_logprobs = torch.empty(rmax * n, dtype=torch.float32, **kw)
+        self._partials = torch.empty(cfg.max_pad_bs * n, PARTIAL_WORDS, dtype=torch.int32, **kw)
+        self._combine = torch.empty(self._tp, rmax * n, PARTIAL_WORDS, dtype=torch.int32, **kw)
         self.out_swap: torch.Tensor | None = None
+        self._logits_dtype: str | None = None
+        self._plans: dict[tuple[int, int, int], _Plan] = {}
         self._views: dict[Any, Any] = {}
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
-    # -- helpers -------------------------------------------------------------------
+    # -- set-up --------------------------------------------------------------------
     def prepare(self, logits_dtype: str) -> None:
+        """Allocate the swap output for ``logits_dtype`` (canonical name)."""
         if self._logits_dtype == logits_dtype:
             return
-        cfg = self.cfg
-        rmax = cfg.max_pad_bs // cfg.tp_size
-        itemsize = torch.empty((), dtype=_TORCH_DTYPES[logits_dtype]).element_size()
-        rows = rmax * cfg.num_tokens_per_req
-        self._staging = torch.empty(
-            cfg.tp_size * rows * (cfg.vocab_size // cfg.tp_size) * itemsize,
-            dtype=torch.uint8,
+        self.out_swap = torch.empty(
+            self._rmax * self._n,
+            self.cfg.vocab_size,
+            dtype=_TORCH_DTYPES[logits_dtype],
             device=self.device,
         )
-        self.out_swap = torch.empty(
-            rows, cfg.vocab_size, dtype=_TORCH_DTYPES[logits_dtype], device=self.device
-        )
         self._logits_dtype = logits_dtype
+        self._plans.clear()
         self._views.clear()
 
+    # -- helpers -------------------------------------------------------------------
     def _as_torch(self, x: Any, info: ArrayInfo) -> torch.Tensor:
         if info.kind is ArrayKind.TORCH:
             return x
@@ -136,7 +223,14 @@ class TorchBackend(Backend):
         return v
 
     def _stream_ctx(self, stream: Any) -> Any:
-        if stream is None or self.device.type != "cuda":
+        if self._cpu:
+            return _nullctx
+        if torch.cuda.is_current_stream_capturing():
+            raise DpSampleError(
+                "the torch backend cannot run inside CUDA-graph capture (its header check "
+                "reads the host); capture with the nccl or onesided backend"
+            )
+        if stream is None:
             return _nullctx
         if isinstance(stream, torch.cuda.Stream):
             return torch.cuda.stream(stream)
@@ -145,61 +239,231 @@ class TorchBackend(Backend):
         handle = resolve_stream(ArrayKind.TORCH, stream, self.device.index)
         return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=self.device))
 
-    def _header(self, op: int, pad_bs: int) -> list[int]:
+    def _begin(self, op: Op, dtype: Dtype, pad_bs: int, bs: RealRows | None) -> tuple[Call, int]:
+        """This call's :class:`Call` (header written to ``self._hdr``) and the number
+        of real requests it moves."""
+        if self._failure is not None:
+            raise self._failure
+        host_bs = bs is not None and bs.given and not bs.on_device
+        hdr_bs = bs.bs if host_bs else -1  # type: ignore[union-attr]
+        call = Call(int(op), int(dtype), pad_bs, self._n, hdr_bs, self._seq)
         self._seq += 1
-        return [op, pad_bs, self.cfg.num_tokens_per_req, self._seq & 0x7FFFFFFF]
+        self._hdr[:] = call.header()
+        return call, (hdr_bs if host_bs else pad_bs)
 
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self._direct is not None:
-            self._direct._allgather_base(out, inp).wait()
+    def _plan(self, key: tuple[int, int, int], build: Callable[[], _Plan]) -> _Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLAN_CACHE_LIMIT:
+                self._plans.clear()
+            plan = self._plans[key] = build()
+        return plan
+
+    def _layout_sends(
+        self, sizes: list[int]
+    ) -> tuple[torch.Tensor, list[int], Any, list[int], list[int]]:
+        """Packed send blocks of ``sizes[p]`` payload bytes to each peer ``p``.
+
+        Returns the send tensor, split sizes, header word indices, and per peer the
+        block's byte offset (-1 for this rank) and padded block size."""
+        offsets, splits, off = [], [], 0
+        for p, nbytes in enumerate(sizes):
+            if p == self._rank:
+                offsets.append(-1)
+                splits.append(0)
+                continue
+            size = self._block if not self._cpu else _round16(_HDR + nbytes)
+            offsets.append(off)
+            splits.append(size)
+            off += size
+        peers = [o for o in offsets if o >= 0]
+        hdr = np.asarray(peers, dtype=np.int64)[:, None] // 4 + np.arange(_HDR_WORDS)
+        if not self._cpu:
+            hdr = torch.from_numpy(hdr).to(self.device)
+        return self._send[:off], splits, hdr, offsets, splits
+
+    @staticmethod
+    def _pack_views(
+        send: torch.Tensor, offsets: list[int], rows: list[int], rowbytes: int, stride: int
+    ) -> list[tuple[torch.Tensor, int, int]]:
+        """Per peer ``p``: its block's payload view and the source byte range, rows
+        ``[p*stride, p*stride + rows[p])`` of a ``rowbytes``-wide source."""
+        views = []
+        for p, o in enumerate(offsets):
+            if o >= 0:
+                lo, nbytes = p * stride * rowbytes, rows[p] * rowbytes
+                views.append((send[o + _HDR : o + _HDR + nbytes], lo, lo + nbytes))
+        return views
+
+    def _peer_ranges(self) -> list[tuple[int, int, int]]:
+        """Contiguous peer ranges ``(first rank, end rank, first receive block)``."""
+        me, tp = self._rank, self._tp
+        return [r for r in ((0, me, 0), (me + 1, tp, me)) if r[1] > r[0]]
+
+    def _exchange(self, call: Call, plan: _Plan) -> None:
+        """Send the plan's blocks (headers written here), wait (bounded), and raise on
+        every rank if any peer's header differs from this rank's."""
+        if self._tp == 1:
+            return
+        if self._cpu:
+            self._send_w[plan.send_hdr] = self._hdr
         else:
-            _all_gather_single(out, inp, group=self.pg)
-
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self._direct is not None:
-            self._direct.alltoall_base(out, inp, [], []).wait()
-        else:
-            dist.all_to_all_single(out, inp, group=self.pg)
-
-    def _exchange(self, op: int, pad_bs: int) -> torch.Tensor:
-        """All-gather ``self._send`` (its header set here) and raise on every rank if
-        any rank's header differs. Returns the received ``[tp, W]`` words."""
-        mine = self._header(op, pad_bs)
-        self._send[:_HEADER].copy_(torch.tensor(mine, dtype=torch.int32))
-        self._all_gather(self._recv, self._send)
-        got = self._recv.view(self.cfg.tp_size, self._width)
-        hdr = got[:, :_HEADER].cpu()
-        expect = torch.tensor(mine, dtype=torch.int32)
-        same = (hdr == expect).all(dim=1)
-        if not bool(same.all()):
-            bad = [r for r in range(self.cfg.tp_size) if not bool(same[r])]
-            seen = {r: _describe_header(hdr[r].tolist()) for r in bad}
-            raise DpSampleError(
-                f"rank {self.group.rank}: peers called a different op or pad_bs: expected "
-                f"{_describe_header(mine)}, got {seen}. The ranks' call sequences diverged; "
-                "this communicator must be closed"
+            self._hdr_host.numpy()[:] = self._hdr
+            self._hdr_dev.copy_(self._hdr_host, non_blocking=True)
+            self._send_w[plan.send_hdr] = self._hdr_dev
+        try:
+            work = self._pg.alltoall_base(
+                self._recv, plan.send, self._recv_splits, plan.send_splits
             )
-        return got
+            self._wait(work)
+        except Exception as exc:
+            raise self._fail(call, exc) from exc
+        if self._cpu:
+            same = bool((self._recv_w[self._recv_hdr] == self._hdr).all())
+        else:
+            got = self._recv_w[self._recv_hdr_dev]
+            same = bool((got == self._hdr_dev).all().item())
+        if not same:
+            self._diverged(call)
+
+    def _wait(self, work: Any) -> None:
+        if self._cpu:
+            work.wait()  # gloo fails the work itself after timeout_s
+            return
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the collective did not finish within {self.cfg.timeout_s} s")
+            time.sleep(50e-6)
+        work.wait()
+
+    def _diverged(self, call: Call) -> None:
+        rows = self._recv_w[self._recv_hdr]
+        if not self._cpu:
+            rows = rows.cpu().numpy()
+        peers = [p for p in range(self._tp) if p != self._rank]
+        for j, peer in enumerate(peers):
+            theirs = Call.from_header(rows[j].tolist(), self._n)
+            if tuple(rows[j]) != tuple(self._hdr):
+                self._failure = DpSampleError(
+                    divergence_message(self._rank, peer, call, theirs, "torch")
+                )
+                raise self._failure
+
+    def _fail(self, call: Call, exc: BaseException) -> DpSampleError:
+        """Turn a failed collective into the error every rank can explain (see the
+        module docstring); poison the communicator with it."""
+        try:
+            self._pg.abort()  # peers blocked in this group fail now, not at their timeout
+        except Exception:
+            pass
+        group, me = self.group, self._rank
+        try:
+            group.post(f"{self._key}/fail", _FAIL_RECORD.pack(*call.header()))
+            records = group.collect(f"{self._key}/fail", REPORT_WAIT_S)
+            missing = [p for p, rec in enumerate(records) if rec is None]
+            if missing:
+                group.post(f"{self._key}/gave_up", ",".join(map(str, missing)).encode())
+            verdicts = [
+                [int(w) for w in v.decode().split(",")] if v else []
+                for v in group.collect(f"{self._key}/gave_up", 0.0)
+            ]
+        except Exception as store_exc:  # the store is gone: its host exited
+            host = group.store_host
+            err = PeerTimeoutError(
+                f"rank {me}: {call.describe()} failed in torch.distributed "
+                f"({type(exc).__name__}: {str(exc)[:200]}) and the c10d store is unreachable "
+                f"({type(store_exc).__name__}: {str(store_exc)[:200]}): its host, "
+                + (f"rank {host}, most likely exited" if host >= 0 else "global rank 0, exited")
+                + f" (torch backend). {_UNUSABLE}",
+                rank=me,
+                peer=host,
+                op=Op.describe_code(call.op),
+            )
+            self._failure = err
+            return err
+        err: DpSampleError
+        diverged = [
+            (p, Call.from_header(_FAIL_RECORD.unpack(rec), self._n))
+            for p, rec in enumerate(records)
+            if rec is not None and _FAIL_RECORD.unpack(rec) != call.header()
+        ]
+        blamed = [p for p, v in enumerate(verdicts) if me in v and p != me]
+        if diverged:
+            err = DpSampleError(
+                divergence_message(me, diverged[0][0], call, diverged[0][1], "torch")
+            )
+        elif missing:
+            peer = missing[0]
+            err = PeerTimeoutError(
+                f"rank {me}: rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} did not take part in {call.describe()} "
+                f"within timeout_s={self.cfg.timeout_s:g} s: stalled or exited before the op "
+                f"(torch backend; the collective failed with {type(exc).__name__}: "
+                f"{str(exc)[:200]}). {_UNUSABLE}",
+                rank=me,
+                peer=peer,
+                op=Op.describe_code(call.op),
+            )
+        elif blamed:
+            err = DpSampleError(
+                f"rank {me} reached {call.describe()} after rank {blamed[0]} had given up "
+                f"waiting for it (timeout_s={self.cfg.timeout_s:g} s): this rank was late "
+                f"(torch backend). {_UNUSABLE}"
+            )
+        else:
+            err = DpSampleError(
+                f"rank {me}: {call.describe()} failed in torch.distributed "
+                f"({type(exc).__name__}: {exc}) while every peer took part with the same "
+                f"call (torch backend). {_UNUSABLE}"
+            )
+        self._failure = err
+        return err
 
     # -- collectives ---------------------------------------------------------------
     def swap_batch_vocab(
-        self, x: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
+        self,
+        x: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        bs: RealRows | None = None,
+        stream: Any = None,
     ) -> Any:
-        assert self._staging is not None and self.out_swap is not None
-        cfg = self.cfg
-        tp, n, vs = cfg.tp_size, cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size
-        rows = pad_bs // tp * n
+        """``x[pad_bs*N, V/tp]`` -> ``[pad_bs/tp*N, V]``, same dtype; rows of
+        requests ``>= bs`` are undefined (see the module docstring for ``bs``)."""
+        assert self.out_swap is not None and self._logits_dtype is not None
+        dtype = Dtype.of(self._logits_dtype)
         t = self._as_torch(x, info)
         with self._stream_ctx(stream):
-            self._exchange(OP_SWAP, pad_bs)
-            src = t.reshape(-1).view(torch.uint8)
-            staging = self._staging[: src.numel()]
-            self._all_to_all(staging, src)
-            out = self.out_swap[:rows]
-            itemsize = out.element_size()
-            staged = staging.view(tp, rows, vs * itemsize)
-            out.view(torch.uint8).view(rows, tp, vs * itemsize).copy_(staged.transpose(0, 1))
-        return self._out(info.kind, "swap", pad_bs, out)
+            call, real = self._begin(Op.SWAP, dtype, pad_bs, bs)
+            plan = self._plan((Op.SWAP, pad_bs, real), lambda: self._swap_plan(pad_bs, real))
+            src = t.view(-1).view(torch.uint8)
+            for dst, lo, hi in plan.pack:
+                dst.copy_(src[lo:hi])
+            self._exchange(call, plan)
+            own_out, lo, hi = plan.extra
+            own_out.copy_(src[lo:hi].view(own_out.shape))
+            for dst, got in plan.unpack:
+                dst.copy_(got)
+        return self._out(info.kind, "swap", pad_bs, self.out_swap[: pad_bs // self._tp * self._n])
+
+    def _swap_plan(self, pad_bs: int, real: int) -> _Plan:
+        assert self.out_swap is not None
+        tp, n, me, r = self._tp, self._n, self._rank, pad_bs // self._tp
+        rowbytes = self._vs * self.out_swap.element_size()
+        rows = [real_reqs(r, real, p) * n for p in range(tp)]
+        send, splits, hdr, offsets, _ = self._layout_sends([k * rowbytes for k in rows])
+        pack = self._pack_views(send, offsets, rows, rowbytes, r * n)
+        out3 = self.out_swap[: r * n].view(torch.uint8).view(r * n, tp, rowbytes)
+        mine = rows[me]
+        unpack = []
+        for p0, p1, j0 in self._peer_ranges():
+            got = self._recv2d[j0 : j0 + p1 - p0, _HDR : _HDR + mine * rowbytes]
+            unpack.append((out3[:mine, p0:p1], got.view(p1 - p0, mine, rowbytes).transpose(0, 1)))
+        own_lo = me * r * n * rowbytes
+        extra = (out3[:mine, me], own_lo, own_lo + mine * rowbytes)
+        return _Plan(send, splits, hdr, pack, unpack, extra)
 
     def gather_verify_outputs(
         self,
@@ -209,60 +473,179 @@ class TorchBackend(Backend):
         info: ArrayInfo,
         *,
         pad_bs: int,
-        bs: Any = None,
-        stream: Any,
+        bs: RealRows | None = None,
+        stream: Any = None,
     ) -> tuple[Any, Any, Any]:
-        cfg = self.cfg
-        tp, n = cfg.tp_size, cfg.num_tokens_per_req
-        r = pad_bs // tp
-        p = self._as_torch(predict, info)
-        a = self._as_torch(accept_index, info)
-        ln = self._as_torch(accept_length, info)
+        """int32 ``[R, N]``, ``[R, N]``, ``[R]`` -> ``[pad_bs, N]``, ``[pad_bs, N]``,
+        ``[pad_bs]``; rows ``>= bs`` are undefined."""
+        n = self._n
+        ins = [self._as_torch(a, info) for a in (predict, accept_index, accept_length)]
+        outs = (self.out_predict, self.out_accept_index, self.out_accept_length)
         with self._stream_ctx(stream):
-            body = self._send[_HEADER : _HEADER + r * (2 * n + 1)].view(r, 2 * n + 1)
-            body[:, :n].copy_(p)
-            body[:, n : 2 * n].copy_(a)
-            body[:, 2 * n].copy_(ln)
-            got = self._exchange(OP_GATHER_OUTPUTS, pad_bs)[:, _HEADER : _HEADER + r * (2 * n + 1)]
-            got = got.reshape(tp * r, 2 * n + 1)
-            op_, oa, ol = (
-                self.out_predict[:pad_bs],
-                self.out_accept_index[:pad_bs],
-                self.out_accept_length[:pad_bs],
+            call, real = self._begin(Op.GATHER_OUTPUTS, Dtype.INT32, pad_bs, bs)
+            plan = self._plan(
+                (Op.GATHER_OUTPUTS, pad_bs, real),
+                lambda: self._gather_plan(pad_bs, real, outs, (n, n, 0)),
             )
-            op_.copy_(got[:, :n])
-            oa.copy_(got[:, n : 2 * n])
-            ol.copy_(got[:, 2 * n])
+            self._gather(call, plan, ins)
         k = info.kind
         return (
-            self._out(k, "predict", pad_bs, op_),
-            self._out(k, "accept_index", pad_bs, oa),
-            self._out(k, "accept_length", pad_bs, ol),
+            self._out(k, "predict", pad_bs, self.out_predict[:pad_bs]),
+            self._out(k, "accept_index", pad_bs, self.out_accept_index[:pad_bs]),
+            self._out(k, "accept_length", pad_bs, self.out_accept_length[:pad_bs]),
         )
 
     def gather_verify_logprobs(
-        self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: Any = None, stream: Any
+        self,
+        logprobs: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        bs: RealRows | None = None,
+        stream: Any = None,
     ) -> Any:
-        cfg = self.cfg
-        tp, n = cfg.tp_size, cfg.num_tokens_per_req
-        r = pad_bs // tp
-        lp = self._as_torch(logprobs, info)
+        """float32 ``[R, N]`` -> ``[pad_bs, N]``; rows ``>= bs`` are undefined."""
+        lp = self._as_torch(logprobs, info).view(torch.int32)
+        out = self.out_logprobs.view(torch.int32)
         with self._stream_ctx(stream):
-            self._send[_HEADER : _HEADER + r * n].view(torch.float32).copy_(lp.reshape(-1))
-            got = self._exchange(OP_GATHER_LOGPROBS, pad_bs)[:, _HEADER : _HEADER + r * n]
-            out = self.out_logprobs[:pad_bs]
-            out.view(torch.int32).copy_(got.reshape(tp * r, n))
-        return self._out(info.kind, "logprobs", pad_bs, out)
+            call, real = self._begin(Op.GATHER_LOGPROBS, Dtype.INT32, pad_bs, bs)
+            plan = self._plan(
+                (Op.GATHER_LOGPROBS, pad_bs, real),
+                lambda: self._gather_plan(pad_bs, real, (out,), (self._n,)),
+            )
+            self._gather(call, plan, [lp])
+        return self._out(info.kind, "logprobs", pad_bs, self.out_logprobs[:pad_bs])
+
+    def _gather(self, call: Call, plan: _Plan, ins: list[torch.Tensor]) -> None:
+        body, own, replicate = plan.extra
+        for dst, a in zip(body, ins, strict=True):
+            dst.copy_(a[: dst.shape[0]])
+        self._exchange_replicated(call, plan, replicate)
+        for dst, a in zip(own, ins, strict=True):
+            dst.copy_(a[: dst.shape[0]])
+        for dst, got in plan.unpack:
+            dst.copy_(got)
+
+    def _exchange_replicated(self, call: Call, plan: _Plan, replicate: Any) -> None:
+        if replicate is not None:  # the same block to every peer
+            replicate[1:].copy_(replicate[:1].expand_as(replicate[1:]))
+        self._exchange(call, plan)
+
+    def _gather_plan(
+        self, pad_bs: int, real: int, outs: tuple[torch.Tensor, ...], widths: tuple[int, ...]
+    ) -> _Plan:
+        """Plan of a gather of ``len(outs)`` int32 arrays ``[R, w]`` (``w = 0``: ``[R]``)
+        packed side by side, each rank sending only its real rows."""
+        tp, me, r = self._tp, self._rank, pad_bs // self._tp
+        width = sum(max(w, 1) for w in widths)
+        mine, most = real_reqs(r, real, me), real_reqs(r, real, 0)
+        send, splits, hdr, offsets, sizes = self._layout_sends([mine * width * 4] * tp)
+        words = self._send.view(torch.int32)  # tp == 1: packed but never sent
+        first = next(o for o in offsets if o >= 0) if tp > 1 else 0
+        block = words[first // 4 + _HDR_WORDS : first // 4 + _HDR_WORDS + mine * width]
+        body, own, unpack, col = [], [], [], 0
+        recv_words = self._recv2d.view(torch.int32)
+        for out, w in zip(outs, widths, strict=True):
+            wide = max(w, 1)
+            field = block.view(mine, width)[:, col : col + wide]
+            body.append(field if w else field[:, 0])
+            out3 = out[:pad_bs].view(tp, r, *((w,) if w else ()))
+            own.append(out3[me, :mine])
+            for p0, p1, j0 in self._peer_ranges():
+                got = recv_words[j0 : j0 + p1 - p0, _HDR_WORDS : _HDR_WORDS + most * width]
+                got = got.view(p1 - p0, most, width)[:, :, col : col + wide]
+                unpack.append((out3[p0:p1, :most], got if w else got[:, :, 0]))
+            col += wide
+        peers = tp - 1
+        replicate = None
+        if peers > 1:
+            replicate = send.view(peers, sizes[1 if me == 0 else 0])
+        pack: list[tuple[torch.Tensor, int, int]] = []
+        return _Plan(send, splits, hdr, pack, unpack, (body, own, replicate))
+
+    def argmax_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        *,
+        pad_bs: int,
+        vocab_limit: int,
+        bs: RealRows | None = None,
+        stream: Any = None,
+    ) -> tuple[Any, Any]:
+        """``x[pad_bs*N, V/tp]`` -> (token_ids int32 ``[R*N]``, logprobs float32
+        ``[R*N]``) of this rank's requests; rows of requests ``>= bs`` undefined.
+
+        Each rank reduces its shard per row (float32 max, first index of the max
+        with ``torch.argmax`` semantics, sum of ``exp(x - max)``; columns
+        ``>= vocab_limit`` excluded), sends the partials of peer ``p``'s real rows
+        to ``p`` in one all-to-all, and combines the ``tp`` partials of its own rows
+        (see :mod:`ipc_dpsample.backends.torch_argmax`)."""
+        assert self._logits_dtype is not None
+        dtype = Dtype.of(self._logits_dtype)
+        t = self._as_torch(x, info)
+        tp, n, me, vs = self._tp, self._n, self._rank, self._vs
+        r = pad_bs // tp
+        with self._stream_ctx(stream):
+            call, real = self._begin(Op.ARGMAX, dtype, pad_bs, bs)
+            plan = self._plan((Op.ARGMAX, pad_bs, real), lambda: self._argmax_plan(pad_bs, real))
+            rows = real * n
+            limit = min(max(vocab_limit - me * vs, 0), vs)
+            local_partials(t[:rows], limit, me * vs, self._partials[:rows])
+            src = self._partials.view(-1).view(torch.uint8)
+            for dst, lo, hi in plan.pack:
+                dst.copy_(src[lo:hi])
+            self._exchange(call, plan)
+            own, lo, hi, parts, ids, lps = plan.extra
+            own.copy_(self._partials[lo:hi])
+            for dst, got in plan.unpack:
+                dst.copy_(got)
+            combine_partials(parts, ids, lps)
+        k = info.kind
+        return (
+            self._out(k, "token_ids", pad_bs, self.out_token_ids[: r * n]),
+            self._out(k, "argmax_logprobs", pad_bs, self.out_argmax_logprobs[: r * n]),
+        )
+
+    def _argmax_plan(self, pad_bs: int, real: int) -> _Plan:
+        tp, n, me, r = self._tp, self._n, self._rank, pad_bs // self._tp
+        rowbytes = PARTIAL_WORDS * 4
+        rows = [real_reqs(r, real, p) * n for p in range(tp)]
+        send, splits, hdr, offsets, _ = self._layout_sends([k * rowbytes for k in rows])
+        pack = self._pack_views(send, offsets, rows, rowbytes, r * n)
+        mine = rows[me]
+        parts = self._combine[:, :mine]
+        unpack = []
+        for p0, p1, j0 in self._peer_ranges():
+            got = self._recv2d[j0 : j0 + p1 - p0, _HDR : _HDR + mine * rowbytes]
+            unpack.append((parts[p0:p1], got.view(torch.int32).view(p1 - p0, mine, PARTIAL_WORDS)))
+        extra = (
+            parts[me],
+            me * r * n,
+            me * r * n + mine,
+            parts,
+            self.out_token_ids[:mine],
+            self.out_argmax_logprobs[:mine],
+        )
+        return _Plan(send, splits, hdr, pack, unpack, extra)
+
+    # -- lifetime ------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the error that poisoned this communicator, if any."""
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
-        self._direct = None
+        """Drop the process group and every buffer (local; never waits for peers)."""
+        pg, self._pg = self._pg, None
+        if pg is not None and self._failure is not None:
+            try:
+                pg.abort()
+            except Exception:
+                pass
         self._views.clear()
-        self._staging = None
+        self._plans.clear()
         self.out_swap = None
-
-
-def _describe_header(h: list[int]) -> str:
-    return f"{_OP_NAMES.get(h[0], f'op {h[0]}')}(pad_bs={h[1]}, N={h[2]}) #{h[3]}"
 
 
 class _NullCtx:

@@ -1,0 +1,171 @@
+"""Torch backend on CPU (gloo, tp=2) beside the plain collectives a user would write.
+
+One run, two spawned ranks, both sides timed in the same processes, reps of the two
+sides interleaved:
+
+* ``swap_batch_vocab`` (through :class:`~ipc_dpsample.DpSamplingComm`, argument
+  checks included) vs ``dist.all_to_all_single`` of the same bytes plus the permute
+  a user needs to get the ``[pad_bs/tp*N, V]`` layout;
+* ``gather_verify_outputs`` vs three ``dist.all_gather_into_tensor`` calls.
+
+Prints per point: median, p10, p90 (µs, rank 0's clock), bytes one rank sends,
+GB/s at the median, and the ratio package / baseline (targets: swap <= 1.2,
+gather <= 1.0).
+
+Usage: ``python scripts/bench_torch_cpu.py [--reps 60] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ipc_dpsample import DpSamplingComm
+from ipc_dpsample.testing import run_ranks
+
+TP = 2
+#: (pad_bs, N, V) swap points, bfloat16 logits
+SWAP_POINTS = ((8, 4, 32768), (64, 4, 32768), (256, 4, 32768))
+#: (pad_bs, N) gather points
+GATHER_POINTS = ((8, 4), (64, 4), (256, 8))
+
+
+def _stats(samples: list[float]) -> tuple[float, float, float]:
+    a = np.asarray(samples) * 1e6
+    return float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90))
+
+
+def _time_pair(a: Any, b: Any, reps: int) -> tuple[list[float], list[float]]:
+    """Interleaved timings of ``a()`` and ``b()`` (a few warm-up calls first)."""
+    for _ in range(3):
+        a()
+        b()
+    ta, tb = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return ta, tb
+
+
+def _swap_point(rank: int, pad_bs: int, n: int, v: int, reps: int) -> dict[str, Any]:
+    vs, r = v // TP, pad_bs // TP
+    x = torch.randn(pad_bs * n, vs).to(torch.bfloat16)
+    staged = torch.empty_like(x)
+    out = torch.empty(r * n, v, dtype=torch.bfloat16)
+    with DpSamplingComm(
+        tp_size=TP, rank=rank, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=v,
+        logits_dtype="bfloat16", device="cpu", backend="torch",
+    ) as comm:  # fmt: skip
+
+        def plain() -> None:
+            dist.all_to_all_single(staged, x)
+            out.view(r * n, TP, vs).copy_(staged.view(TP, r * n, vs).transpose(0, 1))
+
+        got = comm.swap_batch_vocab(x, pad_bs=pad_bs)
+        plain()
+        assert torch.equal(got.view(torch.int16), out.view(torch.int16)), "swap != plain"
+        ours, base = _time_pair(lambda: comm.swap_batch_vocab(x, pad_bs=pad_bs), plain, reps)
+    return {"ours": ours, "base": base, "bytes": x.numel() * x.element_size()}
+
+
+def _gather_point(rank: int, pad_bs: int, n: int, reps: int) -> dict[str, Any]:
+    r = pad_bs // TP
+    pred = torch.randint(0, 1000, (r, n), dtype=torch.int32)
+    acc = torch.randint(0, 1000, (r, n), dtype=torch.int32)
+    length = torch.randint(0, n, (r,), dtype=torch.int32)
+    outs = [torch.empty(pad_bs, n, dtype=torch.int32) for _ in range(2)]
+    outs.append(torch.empty(pad_bs, dtype=torch.int32))
+    with DpSamplingComm(
+        tp_size=TP, rank=rank, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=TP,
+        logits_dtype="float32", device="cpu", backend="torch",
+    ) as comm:  # fmt: skip
+
+        def plain() -> None:
+            for o, a in zip(outs, (pred, acc, length), strict=True):
+                dist.all_gather_into_tensor(o, a)
+
+        got = comm.gather_verify_outputs(pred, acc, length, pad_bs=pad_bs)
+        plain()
+        assert all(torch.equal(g, o) for g, o in zip(got, outs, strict=True)), "gather != plain"
+        ours, base = _time_pair(
+            lambda: comm.gather_verify_outputs(pred, acc, length, pad_bs=pad_bs), plain, reps
+        )
+    return {"ours": ours, "base": base, "bytes": 4 * r * (2 * n + 1)}
+
+
+def body(rank: int, world: int, group: Any, reps: int, quick: bool) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    rows = []
+    for pad_bs, n, v in SWAP_POINTS[:2] if quick else SWAP_POINTS:
+        res = _swap_point(rank, pad_bs, n, v, reps)
+        rows.append({"op": "swap", "point": f"pad_bs={pad_bs} N={n} V={v} bf16", **res})
+    for pad_bs, n in GATHER_POINTS[:2] if quick else GATHER_POINTS:
+        res = _gather_point(rank, pad_bs, n, reps)
+        rows.append({"op": "gather_verify_outputs", "point": f"pad_bs={pad_bs} N={n}", **res})
+    return rows
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--quick", action="store_true", help="the two smaller points of each op")
+    args = parser.parse_args()
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"# bench_torch_cpu: tp={TP} gloo, {os.cpu_count()} CPUs ({cpu}), "
+        f"torch {torch.__version__}, {datetime.date.today().isoformat()}, commit {_commit()}"
+    )
+    print(f"# command: python scripts/bench_torch_cpu.py {' '.join(sys.argv[1:])}".rstrip())
+    results = run_ranks(TP, body, args.reps, args.quick, timeout_s=1800)[0]
+    baseline = {"swap": "all_to_all_single+permute", "gather_verify_outputs": "3x all_gather"}
+    print(
+        f"{'op':<22} {'point':<28} {'side':<26} {'median_us':>10} {'p10':>9} {'p90':>9} "
+        f"{'bytes':>10} {'GB/s':>7} {'ratio':>6}"
+    )
+    worst: dict[str, float] = {}
+    for row in results:
+        ours, base = _stats(row["ours"]), _stats(row["base"])
+        ratio = ours[0] / base[0]
+        worst[row["op"]] = max(worst.get(row["op"], 0.0), ratio)
+        for side, (med, p10, p90) in (("ipc_dpsample", ours), (baseline[row["op"]], base)):
+            gbs = row["bytes"] / (med * 1e-6) / 1e9
+            tail = f"{ratio:6.2f}" if side == "ipc_dpsample" else ""
+            print(
+                f"{row['op']:<22} {row['point']:<28} {side:<26} {med:10.1f} {p10:9.1f} "
+                f"{p90:9.1f} {row['bytes']:10d} {gbs:7.3f} {tail:>6}"
+            )
+    print(
+        f"# worst ratio: swap {worst.get('swap', 0):.2f} (target <= 1.2), gather "
+        f"{worst.get('gather_verify_outputs', 0):.2f} (target <= 1.0)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
