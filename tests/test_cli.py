@@ -154,6 +154,16 @@ def test_plan_demo_per_machine() -> None:
     assert (plan.world, plan.device) == (2, "cpu")
 
 
+def test_demo_bs_leaves_a_partial_and_an_empty_rank() -> None:
+    from ipc_dpsample.layout import real_reqs
+
+    plan = demo.plan_demo(CPU_BOX)  # pad_bs=16 over 4 ranks
+    assert plan.bs == 11 < plan.pad_bs
+    assert [real_reqs(plan.reqs_per_rank, plan.bs, r) for r in range(4)] == [4, 4, 3, 0]
+    one = common.DemoPlan(world=1, launch="processes", device="cpu", pad_bs=4)
+    assert one.bs == 1
+
+
 def test_plan_demo_rounds_shapes_up_to_the_world() -> None:
     plan = demo.plan_demo(CPU_BOX, world_size=3)
     assert plan.pad_bs % 3 == 0 and plan.vocab % 3 == 0
@@ -215,6 +225,7 @@ def _fake_demo_results(plan: common.DemoPlan, bad_rank: int | None) -> list[dict
             op: {
                 "times_s": [1e-3 * (1 + i + r) for i in range(plan.iters)],
                 "checks": 4,
+                "bs_checks": 1,
                 "mismatches": ["logprobs: 1 of 8 elements differ"]
                 if r == bad_rank and op == "gather_verify_logprobs"
                 else [],
@@ -235,7 +246,8 @@ def test_demo_report_and_exit_code(
     assert demo.slowest_rank_times(good, "swap_batch_vocab") == [2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
     table = demo.format_report(plan, good)
     assert "4.00 ms" in table  # median of the slowest rank
-    assert table.count("yes (8 outputs)") == 3
+    assert table.count(f"yes (8 outputs, 2 with bs={plan.bs})") == 4  # the four ops
+    assert "argmax_batch_vocab" in table and "2 x [32]" in table  # R*N ids and logprobs
     bad = _fake_demo_results(plan, 1)
     assert demo.mismatches(bad) == [
         "rank 1 gather_verify_logprobs: logprobs: 1 of 8 elements differ"
@@ -600,7 +612,14 @@ def test_demo_end_to_end() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert elapsed < 60
     out = proc.stdout
-    assert "OK: every output is bit-identical to the NumPy reference" in out
-    for op in common.OPS:
+    assert "OK: every output matches the NumPy reference" in out
+    for op in common.OPS:  # the three collectives and the argmax
         assert op in out
+    assert "argmax_batch_vocab" in common.OPS
+    plan = demo.plan_demo(CPU_BOX)
+    assert f"one with bs={plan.bs} real requests" in out
+    # every op was also checked with bs < pad_bs
+    for line in out.splitlines():
+        if line.startswith(common.OPS):
+            assert f"with bs={plan.bs})" in line and f" 0 with bs={plan.bs}" not in line, line
     assert "NO (" not in out
