@@ -131,6 +131,18 @@ class DemoPlan:
         """``V / world``."""
         return self.vocab // self.world
 
+    def comm_options(self) -> dict[str, Any]:
+        """The plan's :class:`~ipc_dpsample.DpSamplingComm` keywords, except the rank's
+        own (``tp_size``, ``rank``, ``group``, ``device``)."""
+        return {
+            "max_pad_bs": self.pad_bs,
+            "num_tokens_per_req": self.num_tokens,
+            "vocab_size": self.vocab,
+            "logits_dtype": self.dtype,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+
     @property
     def bs(self) -> int:
         """The real batch size of the demo's one ``bs < pad_bs`` pass: the last rank

@@ -109,16 +109,7 @@ def demo_rank(
 
     with stream_scope(stream):
         comm = DpSamplingComm(
-            tp_size=world,
-            rank=rank,
-            group=group,
-            max_pad_bs=plan.pad_bs,
-            num_tokens_per_req=plan.num_tokens,
-            vocab_size=plan.vocab,
-            logits_dtype=plan.dtype,
-            backend=plan.backend,
-            device=device,
-            timeout_s=plan.timeout_s,
+            tp_size=world, rank=rank, group=group, device=device, **plan.comm_options()
         )
         issued = _issued(group, cuda, plan.timeout_s)
         try:
