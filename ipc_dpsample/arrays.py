@@ -21,11 +21,13 @@ __all__ = [
     "ArrayInfo",
     "ArrayKind",
     "StreamHandle",
+    "as_torch",
     "cupy_stream",
     "describe",
     "make_view",
     "normalize_dtype",
     "resolve_stream",
+    "torch_view",
 ]
 
 #: Canonical dtype names this library moves, and their sizes in bytes (from
@@ -430,3 +432,31 @@ def cupy_stream(handle: int, device: int) -> Any:
     if from_external is not None:
         return from_external(StreamHandle(handle))
     return cupy.cuda.ExternalStream(handle, device)
+
+
+def as_torch(x: Any, kind: ArrayKind, device: Any = None) -> Any:
+    """A torch tensor sharing ``x``'s memory (zero-copy: DLPack for CuPy/numba)."""
+    import torch
+
+    if kind is ArrayKind.TORCH:
+        return x
+    if kind is ArrayKind.NUMPY:
+        return torch.from_numpy(x)
+    if hasattr(x, "__dlpack__"):
+        return torch.from_dlpack(x)
+    return torch.as_tensor(x, device=device)
+
+
+def torch_view(kind: ArrayKind, t: Any) -> Any:
+    """The torch tensor ``t`` as an array of framework ``kind`` (zero-copy)."""
+    if kind is ArrayKind.TORCH:
+        return t
+    if kind is ArrayKind.NUMPY:
+        return t.numpy()
+    if kind is ArrayKind.CUPY:
+        import cupy
+
+        return cupy.from_dlpack(t)
+    from numba import cuda
+
+    return cuda.as_cuda_array(t)

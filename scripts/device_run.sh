@@ -25,6 +25,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 step "${T_ONESIDED:-120}" "$out/onesided.log" "${py[@]}" --timeout 45 tests/test_onesided_gpu.py -k "not ($graph_k)"
 step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
+step "${T_BSARGMAX:-200}" "$out/bsargmax.log" "${py[@]}" --timeout 150 tests/test_onesided_bs_argmax_gpu.py
+IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_BSARGMAX_COPY:-60}" "$out/bsargmax.log" "${py[@]}" --timeout 60 tests/test_onesided_bs_argmax_gpu.py -k "graph or tokenspeed"
+step "${T_SETUP:-60}" "$out/misc.log" python3 scripts/profile_setup.py --tp 8 --reps 5
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
 # swap knobs, big swap only: KNOBS="ctas_per_sm:unroll:fit:streaming:chunk:block ..." (each run its own
 # process); with KNOBS_PICK=1 the best (tp=8 gated ratio) is exported for the steps after
@@ -68,10 +71,10 @@ step "${T_DOCTOR:-0}" "$out/misc.log" python3 -m ipc_dpsample doctor
 step "${T_DEMO:-0}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-0}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
-for f in onesided graph nccl reliability; do
+for f in onesided graph bsargmax nccl reliability; do
   [ -f "$out/$f.log" ] && grep -E '^[0-9]+ (passed|failed)|^=* ?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in ' "$out/$f.log" | sed "s/^/$f: /"
 done
 grep -hE "^(FAILED|ERROR)" "$out"/*.log | cut -c1-300 | head -20
 grep -hE "^(# |what|swap|host|gather)" "$out/knobs.log" 2>/dev/null | grep -vE "^# gated" | head -40
 grep -hE "^(# NVIDIA|what|swap|host|gather)|FAILED" "$out/bench.log" | cut -c1-400 | head -30
-grep -E "ERROR SUMMARY|sanitize_smoke|^### " "$out/misc.log" | tail -24
+grep -E "ERROR SUMMARY|sanitize_smoke|^### |construction tp" "$out/misc.log" | tail -24

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..arrays import ArrayInfo, ArrayKind
+from ..arrays import ArrayInfo, ArrayKind, as_torch, torch_view
 from ..config import CommConfig
 from ..errors import DpSampleError
 from ..protocol import Call, Dtype, Op, divergence_message
@@ -119,26 +119,12 @@ class CollectivesBackend(Backend):
         send = torch.empty(self._tp, words, dtype=torch.int32, device=self.device)
         return send, torch.empty_like(send)
 
+    def _as_torch(self, x: Any, info: ArrayInfo) -> torch.Tensor:
+        return as_torch(x, info.kind, self.device)
+
     @staticmethod
-    def _as_torch(x: Any, info: ArrayInfo) -> torch.Tensor:
-        if info.kind is ArrayKind.TORCH:
-            return x
-        if info.kind is ArrayKind.NUMPY:
-            return torch.from_numpy(x)
-        return torch.from_dlpack(x)
-
-    def _out(self, kind: ArrayKind, t: torch.Tensor) -> Any:
-        if kind is ArrayKind.TORCH:
-            return t
-        if kind is ArrayKind.NUMPY:
-            return t.numpy()
-        if kind is ArrayKind.CUPY:
-            import cupy
-
-            return cupy.from_dlpack(t)
-        from numba import cuda
-
-        return cuda.as_cuda_array(t)
+    def _out(kind: ArrayKind, t: torch.Tensor) -> Any:
+        return torch_view(kind, t)
 
     # -- ops ----------------------------------------------------------------------
     def swap_batch_vocab(

@@ -54,22 +54,23 @@ CUDA-graph capture (its header check reads the host); capturing raises.
 
 from __future__ import annotations
 
-import struct
+import contextlib
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..arrays import ArrayInfo, ArrayKind
+from ..arrays import ArrayInfo, ArrayKind, as_torch, torch_view
 from ..config import CommConfig
-from ..errors import DpSampleError, PeerTimeoutError
+from ..errors import DpSampleError
 from ..group import TorchStoreGroup
-from ..layout import real_reqs
 from ..protocol import Call, Dtype, Op, divergence_message
 from .base import Backend, RealRows
 from .torch_argmax import PARTIAL_WORDS, combine_partials, local_partials
+from .torch_failure import REPORT_WAIT_S, diagnose_failure
+from .torch_plans import _HDR, _HDR_WORDS, TorchPlans, _Plan, _round16
 
 __all__ = ["REPORT_WAIT_S", "TorchBackend"]
 
@@ -78,34 +79,10 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
-_HDR = 16  # header bytes at the start of every block
-_HDR_WORDS = _HDR // 4
-#: Longest wait for the peers' failure records after a collective failed.
-REPORT_WAIT_S = 1.5
-_FAIL_RECORD = struct.Struct("<4i")
-_UNUSABLE = (
-    "This communicator is now unusable: every later call raises this error; close it "
-    "and build a new one"
-)
 _PLAN_CACHE_LIMIT = 4096
 
 
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-class _Plan(NamedTuple):
-    """What one (op, pad_bs, bs) call sends and where its results land."""
-
-    send: torch.Tensor  # uint8, the packed blocks for the peers
-    send_splits: list[int]  # bytes to each rank (0 to itself)
-    send_hdr: Any  # int32 word indices of the headers in the send buffer [peers, 4]
-    pack: list[tuple[torch.Tensor, int, int]]  # (send payload view, src byte lo, hi)
-    unpack: list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, received view)
-    extra: tuple[Any, ...] = ()  # op-specific views
-
-
-class TorchBackend(Backend):
+class TorchBackend(TorchPlans, Backend):
     """torch.distributed backend.
 
     Parameters
@@ -193,33 +170,13 @@ class TorchBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------
     def _as_torch(self, x: Any, info: ArrayInfo) -> torch.Tensor:
-        if info.kind is ArrayKind.TORCH:
-            return x
-        if info.kind is ArrayKind.NUMPY:
-            return torch.from_numpy(x)
-        return (
-            torch.from_dlpack(x)
-            if hasattr(x, "__dlpack__")
-            else torch.as_tensor(x, device=self.device)
-        )
+        return as_torch(x, info.kind, self.device)
 
     def _out(self, kind: ArrayKind, key: str, pad_bs: int, t: torch.Tensor) -> Any:
         k = (kind, key, pad_bs)
         v = self._views.get(k)
         if v is None:
-            if kind is ArrayKind.TORCH:
-                v = t
-            elif kind is ArrayKind.NUMPY:
-                v = t.numpy()
-            elif kind is ArrayKind.CUPY:
-                import cupy
-
-                v = cupy.from_dlpack(t)
-            else:
-                from numba import cuda
-
-                v = cuda.as_cuda_array(t)
-            self._views[k] = v
+            v = self._views[k] = torch_view(kind, t)
         return v
 
     def _stream_ctx(self, stream: Any) -> Any:
@@ -258,47 +215,6 @@ class TorchBackend(Backend):
                 self._plans.clear()
             plan = self._plans[key] = build()
         return plan
-
-    def _layout_sends(
-        self, sizes: list[int]
-    ) -> tuple[torch.Tensor, list[int], Any, list[int], list[int]]:
-        """Packed send blocks of ``sizes[p]`` payload bytes to each peer ``p``.
-
-        Returns the send tensor, split sizes, header word indices, and per peer the
-        block's byte offset (-1 for this rank) and padded block size."""
-        offsets, splits, off = [], [], 0
-        for p, nbytes in enumerate(sizes):
-            if p == self._rank:
-                offsets.append(-1)
-                splits.append(0)
-                continue
-            size = self._block if not self._cpu else _round16(_HDR + nbytes)
-            offsets.append(off)
-            splits.append(size)
-            off += size
-        peers = [o for o in offsets if o >= 0]
-        hdr = np.asarray(peers, dtype=np.int64)[:, None] // 4 + np.arange(_HDR_WORDS)
-        if not self._cpu:
-            hdr = torch.from_numpy(hdr).to(self.device)
-        return self._send[:off], splits, hdr, offsets, splits
-
-    @staticmethod
-    def _pack_views(
-        send: torch.Tensor, offsets: list[int], rows: list[int], rowbytes: int, stride: int
-    ) -> list[tuple[torch.Tensor, int, int]]:
-        """Per peer ``p``: its block's payload view and the source byte range, rows
-        ``[p*stride, p*stride + rows[p])`` of a ``rowbytes``-wide source."""
-        views = []
-        for p, o in enumerate(offsets):
-            if o >= 0:
-                lo, nbytes = p * stride * rowbytes, rows[p] * rowbytes
-                views.append((send[o + _HDR : o + _HDR + nbytes], lo, lo + nbytes))
-        return views
-
-    def _peer_ranges(self) -> list[tuple[int, int, int]]:
-        """Contiguous peer ranges ``(first rank, end rank, first receive block)``."""
-        me, tp = self._rank, self._tp
-        return [r for r in ((0, me, 0), (me + 1, tp, me)) if r[1] > r[0]]
 
     def _exchange(self, call: Call, plan: _Plan) -> None:
         """Send the plan's blocks (headers written here), wait (bounded), and raise on
@@ -353,72 +269,10 @@ class TorchBackend(Backend):
     def _fail(self, call: Call, exc: BaseException) -> DpSampleError:
         """Turn a failed collective into the error every rank can explain (see the
         module docstring); poison the communicator with it."""
-        try:
-            self._pg.abort()  # peers blocked in this group fail now, not at their timeout
-        except Exception:
-            pass
-        group, me = self.group, self._rank
-        try:
-            group.post(f"{self._key}/fail", _FAIL_RECORD.pack(*call.header()))
-            records = group.collect(f"{self._key}/fail", REPORT_WAIT_S)
-            missing = [p for p, rec in enumerate(records) if rec is None]
-            if missing:
-                group.post(f"{self._key}/gave_up", ",".join(map(str, missing)).encode())
-            verdicts = [
-                [int(w) for w in v.decode().split(",")] if v else []
-                for v in group.collect(f"{self._key}/gave_up", 0.0)
-            ]
-        except Exception as store_exc:  # the store is gone: its host exited
-            host = group.store_host
-            err = PeerTimeoutError(
-                f"rank {me}: {call.describe()} failed in torch.distributed "
-                f"({type(exc).__name__}: {str(exc)[:200]}) and the c10d store is unreachable "
-                f"({type(store_exc).__name__}: {str(store_exc)[:200]}): its host, "
-                + (f"rank {host}, most likely exited" if host >= 0 else "global rank 0, exited")
-                + f" (torch backend). {_UNUSABLE}",
-                rank=me,
-                peer=host,
-                op=Op.describe_code(call.op),
-            )
-            self._failure = err
-            return err
-        err: DpSampleError
-        diverged = [
-            (p, Call.from_header(_FAIL_RECORD.unpack(rec), self._n))
-            for p, rec in enumerate(records)
-            if rec is not None and _FAIL_RECORD.unpack(rec) != call.header()
-        ]
-        blamed = [p for p, v in enumerate(verdicts) if me in v and p != me]
-        if diverged:
-            err = DpSampleError(
-                divergence_message(me, diverged[0][0], call, diverged[0][1], "torch")
-            )
-        elif missing:
-            peer = missing[0]
-            err = PeerTimeoutError(
-                f"rank {me}: rank{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(str, missing))} did not take part in {call.describe()} "
-                f"within timeout_s={self.cfg.timeout_s:g} s: stalled or exited before the op "
-                f"(torch backend; the collective failed with {type(exc).__name__}: "
-                f"{str(exc)[:200]}). {_UNUSABLE}",
-                rank=me,
-                peer=peer,
-                op=Op.describe_code(call.op),
-            )
-        elif blamed:
-            err = DpSampleError(
-                f"rank {me} reached {call.describe()} after rank {blamed[0]} had given up "
-                f"waiting for it (timeout_s={self.cfg.timeout_s:g} s): this rank was late "
-                f"(torch backend). {_UNUSABLE}"
-            )
-        else:
-            err = DpSampleError(
-                f"rank {me}: {call.describe()} failed in torch.distributed "
-                f"({type(exc).__name__}: {exc}) while every peer took part with the same "
-                f"call (torch backend). {_UNUSABLE}"
-            )
-        self._failure = err
-        return err
+        self._failure = diagnose_failure(
+            call, exc, self._pg, self.group, self._key, self._n, self.cfg.timeout_s
+        )
+        return self._failure
 
     # -- collectives ---------------------------------------------------------------
     def swap_batch_vocab(
@@ -447,23 +301,6 @@ class TorchBackend(Backend):
             for dst, got in plan.unpack:
                 dst.copy_(got)
         return self._out(info.kind, "swap", pad_bs, self.out_swap[: pad_bs // self._tp * self._n])
-
-    def _swap_plan(self, pad_bs: int, real: int) -> _Plan:
-        assert self.out_swap is not None
-        tp, n, me, r = self._tp, self._n, self._rank, pad_bs // self._tp
-        rowbytes = self._vs * self.out_swap.element_size()
-        rows = [real_reqs(r, real, p) * n for p in range(tp)]
-        send, splits, hdr, offsets, _ = self._layout_sends([k * rowbytes for k in rows])
-        pack = self._pack_views(send, offsets, rows, rowbytes, r * n)
-        out3 = self.out_swap[: r * n].view(torch.uint8).view(r * n, tp, rowbytes)
-        mine = rows[me]
-        unpack = []
-        for p0, p1, j0 in self._peer_ranges():
-            got = self._recv2d[j0 : j0 + p1 - p0, _HDR : _HDR + mine * rowbytes]
-            unpack.append((out3[:mine, p0:p1], got.view(p1 - p0, mine, rowbytes).transpose(0, 1)))
-        own_lo = me * r * n * rowbytes
-        extra = (out3[:mine, me], own_lo, own_lo + mine * rowbytes)
-        return _Plan(send, splits, hdr, pack, unpack, extra)
 
     def gather_verify_outputs(
         self,
@@ -531,38 +368,6 @@ class TorchBackend(Backend):
             replicate[1:].copy_(replicate[:1].expand_as(replicate[1:]))
         self._exchange(call, plan)
 
-    def _gather_plan(
-        self, pad_bs: int, real: int, outs: tuple[torch.Tensor, ...], widths: tuple[int, ...]
-    ) -> _Plan:
-        """Plan of a gather of ``len(outs)`` int32 arrays ``[R, w]`` (``w = 0``: ``[R]``)
-        packed side by side, each rank sending only its real rows."""
-        tp, me, r = self._tp, self._rank, pad_bs // self._tp
-        width = sum(max(w, 1) for w in widths)
-        mine, most = real_reqs(r, real, me), real_reqs(r, real, 0)
-        send, splits, hdr, offsets, sizes = self._layout_sends([mine * width * 4] * tp)
-        words = self._send.view(torch.int32)  # tp == 1: packed but never sent
-        first = next(o for o in offsets if o >= 0) if tp > 1 else 0
-        block = words[first // 4 + _HDR_WORDS : first // 4 + _HDR_WORDS + mine * width]
-        body, own, unpack, col = [], [], [], 0
-        recv_words = self._recv2d.view(torch.int32)
-        for out, w in zip(outs, widths, strict=True):
-            wide = max(w, 1)
-            field = block.view(mine, width)[:, col : col + wide]
-            body.append(field if w else field[:, 0])
-            out3 = out[:pad_bs].view(tp, r, *((w,) if w else ()))
-            own.append(out3[me, :mine])
-            for p0, p1, j0 in self._peer_ranges():
-                got = recv_words[j0 : j0 + p1 - p0, _HDR_WORDS : _HDR_WORDS + most * width]
-                got = got.view(p1 - p0, most, width)[:, :, col : col + wide]
-                unpack.append((out3[p0:p1, :most], got if w else got[:, :, 0]))
-            col += wide
-        peers = tp - 1
-        replicate = None
-        if peers > 1:
-            replicate = send.view(peers, sizes[1 if me == 0 else 0])
-        pack: list[tuple[torch.Tensor, int, int]] = []
-        return _Plan(send, splits, hdr, pack, unpack, (body, own, replicate))
-
     def argmax_batch_vocab(
         self,
         x: Any,
@@ -607,28 +412,6 @@ class TorchBackend(Backend):
             self._out(k, "argmax_logprobs", pad_bs, self.out_argmax_logprobs[: r * n]),
         )
 
-    def _argmax_plan(self, pad_bs: int, real: int) -> _Plan:
-        tp, n, me, r = self._tp, self._n, self._rank, pad_bs // self._tp
-        rowbytes = PARTIAL_WORDS * 4
-        rows = [real_reqs(r, real, p) * n for p in range(tp)]
-        send, splits, hdr, offsets, _ = self._layout_sends([k * rowbytes for k in rows])
-        pack = self._pack_views(send, offsets, rows, rowbytes, r * n)
-        mine = rows[me]
-        parts = self._combine[:, :mine]
-        unpack = []
-        for p0, p1, j0 in self._peer_ranges():
-            got = self._recv2d[j0 : j0 + p1 - p0, _HDR : _HDR + mine * rowbytes]
-            unpack.append((parts[p0:p1], got.view(torch.int32).view(p1 - p0, mine, PARTIAL_WORDS)))
-        extra = (
-            parts[me],
-            me * r * n,
-            me * r * n + mine,
-            parts,
-            self.out_token_ids[:mine],
-            self.out_argmax_logprobs[:mine],
-        )
-        return _Plan(send, splits, hdr, pack, unpack, extra)
-
     # -- lifetime ------------------------------------------------------------------
     def check(self) -> None:
         """Raise the error that poisoned this communicator, if any."""
@@ -648,12 +431,4 @@ class TorchBackend(Backend):
         self.out_swap = None
 
 
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_nullctx = _NullCtx()
+_nullctx = contextlib.nullcontext()
