@@ -42,9 +42,12 @@ def _legacy_rows(doc: dict) -> list[dict]:
         if r["status"] != "ok" or r["kind"] != "backend":
             continue
         what = f"{r['op']} pad_bs={r['pad_bs']} N={r['num_tokens']} V={r['vocab']} {r['dtype']}"
+        if r.get("bs") not in (None, r["pad_bs"]):
+            what += f" bs={r['bs']}"
         row = {
             "what": f"{what} tp={r['tp']}",
             "tp": r["tp"],
+            "bs": r.get("bs"),
             "mode": f"{r['mode']} gated",
             "bytes": r["bytes"],
             "us": {k: r[f"{k}_us"] for k in ("median", "p10", "p90")} | {"n": r["n"]},

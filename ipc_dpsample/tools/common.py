@@ -3,11 +3,12 @@ ranks.
 
 * :func:`detect_machine` probes GPUs and the optional backends once
   (:class:`Machine`); CuPy's ``CUDARuntimeError`` counts as "no GPU".
-* :class:`DemoPlan` describes one run of the three ops (ranks, shapes, seed);
+* :class:`DemoPlan` describes one run of the four ops (ranks, shapes, seed);
   :func:`make_round` draws every rank's seeded random inputs and the reference
   outputs for one round.
 * :func:`bits_equal`, :func:`to_torch`, :func:`to_numpy` compare and move data
-  bit for bit (bfloat16 travels as its ``uint16`` pattern).
+  bit for bit (bfloat16 travels as its ``uint16`` pattern); :func:`logprobs_close`
+  compares the argmax's logprobs (within 1e-5, NaN-aware).
 * :func:`rank_device` and :func:`stream_scope` set a rank up on its device and
   stream; :func:`spawn` starts ranks as threads or processes;
   :func:`failure_summary` turns a :class:`~ipc_dpsample.testing.RankFailure` into
@@ -27,12 +28,14 @@ import numpy as np
 from ..arrays import ITEMSIZE, LOGITS_DTYPES
 from ..config import BACKENDS
 from ..layout import (
+    reference_argmax_batch_vocab,
     reference_gather_verify_logprobs,
     reference_gather_verify_outputs,
     reference_swap_batch_vocab,
 )
 
 __all__ = [
+    "ARGMAX",
     "CPU_SHAPE",
     "GPU_SHAPE",
     "OPS",
@@ -45,6 +48,7 @@ __all__ = [
     "bits_equal",
     "detect_machine",
     "failure_summary",
+    "logprobs_close",
     "make_round",
     "rank_device",
     "spawn",
@@ -54,8 +58,15 @@ __all__ = [
     "torch_gpu_count",
 ]
 
-#: The three collectives, in the order a verify step calls them.
-OPS: tuple[str, ...] = ("swap_batch_vocab", "gather_verify_outputs", "gather_verify_logprobs")
+#: The greedy verify op (the arg-max of every full row without moving the logits).
+ARGMAX = "argmax_batch_vocab"
+#: The ops: the three collectives in the order a verify step calls them, then the argmax.
+OPS: tuple[str, ...] = (
+    "swap_batch_vocab",
+    "gather_verify_outputs",
+    "gather_verify_logprobs",
+    ARGMAX,
+)
 
 Launch = Literal["processes", "threads"]
 DeviceKind = Literal["cpu", "cuda"]
@@ -120,6 +131,25 @@ class DemoPlan:
         """``V / world``."""
         return self.vocab // self.world
 
+    def comm_options(self) -> dict[str, Any]:
+        """The plan's :class:`~ipc_dpsample.DpSamplingComm` keywords, except the rank's
+        own (``tp_size``, ``rank``, ``group``, ``device``)."""
+        return {
+            "max_pad_bs": self.pad_bs,
+            "num_tokens_per_req": self.num_tokens,
+            "vocab_size": self.vocab,
+            "logits_dtype": self.dtype,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+
+    @property
+    def bs(self) -> int:
+        """The real batch size of the demo's one ``bs < pad_bs`` pass: the last rank
+        owns no real request and the one before it a part of its ``R`` (when the
+        world has them)."""
+        return max(1, self.pad_bs - self.reqs_per_rank - 1)
+
     def op_shapes(self, op: str) -> tuple[str, str, str]:
         """``(input per rank, output per rank, dtype)`` as text, for the table."""
         r, n, v = self.reqs_per_rank, self.num_tokens, self.vocab
@@ -127,6 +157,8 @@ class DemoPlan:
             return f"[{self.pad_bs * n}, {self.vocab_shard}]", f"[{r * n}, {v}]", self.dtype
         if op == "gather_verify_outputs":
             return f"3 x [{r}, {n}]", f"3 x [{self.pad_bs}, {n}]", "int32"
+        if op == ARGMAX:
+            return f"[{self.pad_bs * n}, {self.vocab_shard}]", f"2 x [{r * n}]", self.dtype
         return f"[{r}, {n}]", f"[{self.pad_bs}, {n}]", "float32"
 
     def op_bytes(self, op: str) -> int:
@@ -136,6 +168,8 @@ class DemoPlan:
             return r * n * self.vocab * ITEMSIZE[self.dtype]
         if op == "gather_verify_outputs":
             return self.pad_bs * (2 * n + 1) * 4
+        if op == ARGMAX:
+            return r * n * 8  # int32 ids + float32 logprobs
         return self.pad_bs * n * 4
 
 
@@ -155,6 +189,7 @@ class RankData:
     expect_swap: np.ndarray  # [R * N, V]
     expect_outputs: tuple[np.ndarray, np.ndarray, np.ndarray]
     expect_logprobs: np.ndarray
+    expect_argmax: tuple[np.ndarray, np.ndarray]  # int32 [R * N], float32 [R * N]
 
 
 def _random_logits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -189,6 +224,9 @@ def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) 
     swapped = reference_swap_batch_vocab(logits, tp=w, num_tokens_per_req=n, pad_bs=plan.pad_bs)
     outputs = reference_gather_verify_outputs(predict, accept_index, accept_length)
     gathered_lp = reference_gather_verify_logprobs(logprobs)
+    argmax = reference_argmax_batch_vocab(
+        logits, tp=w, num_tokens_per_req=n, pad_bs=plan.pad_bs, dtype=plan.dtype
+    )
     return [
         RankData(
             logits=logits[k],
@@ -199,6 +237,7 @@ def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) 
             expect_swap=swapped[k],
             expect_outputs=outputs,
             expect_logprobs=gathered_lp,
+            expect_argmax=argmax[k],
         )
         for k in (range(w) if ranks is None else ranks)
     ]
@@ -309,6 +348,24 @@ def bits_equal(got: np.ndarray, expected: np.ndarray) -> str:
     return (
         f"{bad.size} of {g.size} elements differ; first at {tuple(int(i) for i in first)}: "
         f"got {int(g.reshape(-1)[bad[0]]):#x}, expected {int(e.reshape(-1)[bad[0]]):#x}"
+    )
+
+
+def logprobs_close(got: np.ndarray, expected: np.ndarray, atol: float = 1e-5) -> str:
+    """``""`` when float arrays agree within ``atol`` (NaN matches NaN, equal
+    infinities match), else what differs."""
+    if got.shape != expected.shape:
+        return f"shape {got.shape} != expected {expected.shape}"
+    g, e = got.astype(np.float64), expected.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = (g == e) | (np.isnan(g) & np.isnan(e)) | (np.abs(g - e) <= atol)
+    bad = np.flatnonzero(~ok.reshape(-1))
+    if bad.size == 0:
+        return ""
+    i = int(bad[0])
+    return (
+        f"{bad.size} of {g.size} values differ by more than {atol}; first at {i}: "
+        f"got {g.reshape(-1)[i]!r}, expected {e.reshape(-1)[i]!r}"
     )
 
 

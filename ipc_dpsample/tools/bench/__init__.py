@@ -8,10 +8,14 @@ For every tensor-parallel size ``tp`` the sweep starts one set of ranks:
   (``run_threads``; only the one-sided backend can run so);
 * ``--cpu`` or no GPU: ``tp`` processes over gloo on the CPU.
 
-Each rank measures, for every point ``(op, dtype, pad_bs, mode)``, every
-requested backend of :class:`~ipc_dpsample.DpSamplingComm` (verified bit for bit
-once before timing) and, in the same run, the baselines:
+Each rank measures, for every point ``(op, dtype, pad_bs, bs, mode)``, every
+requested backend of :class:`~ipc_dpsample.DpSamplingComm` (checked before timing
+on the real rows: bit for bit, argmax logprobs within 1e-5; a graph's replay too)
+and, in the same run, the baselines:
 
+``swap_argmax``, ``read_once`` (ops measured by every backend, with the argmax)
+    The argmax's baselines: the backend's swap then ``torch.argmax`` over the
+    swapped real rows, and ``torch.amax`` over the shard's real rows.
 ``copy``
     The copy limit: each rank copies the op's bytes per rank with one
     ``copy_`` (device-to-device on one GPU, to the next GPU peer-to-peer with
@@ -32,9 +36,15 @@ copy limit reached).
 
 ``--out`` receives ``bench.csv``, ``bench.json`` and ``bench.png``.
 
-Modules: :mod:`.config` (options, sweep, launch plan), :mod:`.runners` (what a
-rank times), :mod:`.measure` (the rank body and timing), :mod:`.output` (rows,
-statistics, CSV/JSON/plot, table).
+``--bs`` measures every op at several real batch sizes per ``pad_bs`` (bytes and
+GB/s count the real rows only); ``argmax_batch_vocab`` brings its baselines
+``swap_argmax`` and ``read_once``, measured per backend. After each launch's rows
+come the ``bs`` scaling table (issue 13) and the argmax table (issue 14).
+
+Modules: :mod:`.config` (sweep, launch plan, points, bytes), :mod:`.options` (the
+command line), :mod:`.runners` (what a rank times), :mod:`.measure` (the rank
+body and timing), :mod:`.output` (rows, statistics, CSV/JSON/plot, table),
+:mod:`.tables` (the bs and argmax summaries).
 """
 
 from __future__ import annotations
@@ -50,22 +60,26 @@ from typing import Any
 
 from ..common import Machine, detect_machine, spawn
 from .config import (
+    ARGMAX_BASELINES,
     BACKEND_CHOICES,
     BASELINES,
     COLUMNS,
     MODES,
     BenchConfig,
     LaunchPlan,
-    add_arguments,
-    choice_list,
-    config_from_args,
     op_bytes,
-    parse_dtype_list,
-    parse_int_list,
     plan_launches,
     points,
 )
 from .measure import Gate, bench_rank
+from .options import (
+    add_arguments,
+    choice_list,
+    config_from_args,
+    parse_bs_groups,
+    parse_dtype_list,
+    parse_int_list,
+)
 from .output import (
     PLOT_HINT,
     format_rows,
@@ -77,8 +91,10 @@ from .output import (
     write_plot,
 )
 from .runners import swap_expected, swap_input
+from .tables import format_argmax_table, format_bs_table
 
 __all__ = [
+    "ARGMAX_BASELINES",
     "BACKEND_CHOICES",
     "BASELINES",
     "COLUMNS",
@@ -89,9 +105,12 @@ __all__ = [
     "bench_rank",
     "choice_list",
     "config_from_args",
+    "format_argmax_table",
+    "format_bs_table",
     "format_rows",
     "make_rows",
     "op_bytes",
+    "parse_bs_groups",
     "parse_dtype_list",
     "parse_int_list",
     "plan_launches",
@@ -170,6 +189,9 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
         rows += launch_rows
         if not lp.reason:
             print(format_rows(launch_rows))
+            for table in (format_bs_table(launch_rows), format_argmax_table(launch_rows)):
+                if table:
+                    print("\n" + table)
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
     meta = {
         "config": dataclasses.asdict(cfg),

@@ -1,32 +1,27 @@
 """What ``ipc-dpsample bench`` measures: the sweep's names and defaults, the
-validated :class:`BenchConfig`, its command-line options, and where each ``tp``
-runs (:func:`plan_launches`, pure).
+validated :class:`BenchConfig`, where each ``tp`` runs (:func:`plan_launches`,
+pure), the points and their bytes (the options live in :mod:`.options`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...arrays import ITEMSIZE, LOGITS_DTYPES, normalize_dtype
-from ..common import OPS, Machine
+from ...arrays import ITEMSIZE, LOGITS_DTYPES
+from ...layout import Layout
+from ..common import ARGMAX, OPS, Machine
 
 __all__ = [
+    "ARGMAX_BASELINES",
     "BACKEND_CHOICES",
     "BASELINES",
     "COLUMNS",
+    "LOGITS_OPS",
     "MODES",
     "BenchConfig",
     "LaunchPlan",
-    "add_arguments",
-    "choice_list",
-    "config_from_args",
     "op_bytes",
-    "parse_dtype_list",
-    "parse_int_list",
     "plan_launches",
     "points",
 ]
@@ -34,6 +29,11 @@ __all__ = [
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "onesided", "nccl", "torch")
 BASELINES: tuple[str, ...] = ("copy", "nccl_cupy", "torch_dist")
 MODES: tuple[str, ...] = ("eager", "graph")
+#: The baselines of ``argmax_batch_vocab``, measured as ops of every backend in the
+#: same run: ``swap_argmax`` is that backend's swap then ``torch.argmax`` over the
+#: swapped real rows (what a caller runs today); ``read_once`` is
+#: ``torch.amax(local_logits[:bs*N], dim=1)`` (reading the shard's real rows once).
+ARGMAX_BASELINES: tuple[str, ...] = ("swap_argmax", "read_once")
 #: Sweep defaults where GPUs exist (the spec's shapes: Qwen-class vocab, 3 drafts + 1).
 GPU_DEFAULTS: dict[str, Any] = {
     "pad_bs": (8, 64, 256),
@@ -57,6 +57,8 @@ COLUMNS: tuple[str, ...] = (
     "dtype",
     "pad_bs",
     "bs",
+    "bs_arg",
+    "vocab_limit",
     "num_tokens",
     "vocab",
     "mode",
@@ -78,6 +80,9 @@ COLUMNS: tuple[str, ...] = (
     "vs_copy",
     "vs_nccl_cupy",
     "vs_torch_dist",
+    "vs_swap_argmax",
+    "vs_read_once",
+    "vs_full_bs",
     "note",
 )
 
@@ -113,13 +118,23 @@ class BenchConfig:
     #: Rank threads on one GPU whose streams wait at one CUDA event until every
     #: rank has issued a sample: the time is the device's, not launch skew.
     gated: bool = False
-    #: Real batch size per ``pad_bs`` (same length), passed as ``bs=`` to the swap;
-    #: empty: every row moves and no ``bs`` is passed.
-    bs: tuple[int, ...] = ()
+    #: Real batch sizes: one tuple per ``pad_bs`` (same order), or a single tuple
+    #: for every ``pad_bs``; passed as ``bs=`` to every op. Empty: ``bs`` is not
+    #: passed (every row moves; rows carry ``bs = pad_bs``).
+    bs: tuple[tuple[int, ...], ...] = ()
+    #: ``vocab_limit`` of ``argmax_batch_vocab`` (None: ``vocab``).
+    vocab_limit: int | None = None
 
-    def real_bs(self, pad_bs: int) -> int | None:
-        """The ``bs`` paired with ``pad_bs``, or None when ``--bs`` was not given."""
-        return self.bs[self.pad_bs.index(pad_bs)] if self.bs else None
+    def bs_values(self, pad_bs: int) -> tuple[int, ...]:
+        """The real batch sizes measured at ``pad_bs`` (``(pad_bs,)`` without ``--bs``)."""
+        if not self.bs:
+            return (pad_bs,)
+        return self.bs[0] if len(self.bs) == 1 else self.bs[self.pad_bs.index(pad_bs)]
+
+    @property
+    def limit(self) -> int:
+        """The argmax's ``vocab_limit`` (``vocab`` when not given)."""
+        return self.vocab if self.vocab_limit is None else self.vocab_limit
 
     def __post_init__(self) -> None:
         for name in ("pad_bs", "dtypes", "tp", "backends", "modes", "ops"):
@@ -147,168 +162,26 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise ValueError(f"{name} {bad} not in {allowed}")
-        if self.bs and (
-            len(self.bs) != len(self.pad_bs)
-            or any(not 0 < b <= p for b, p in zip(self.bs, self.pad_bs, strict=True))
-        ):
+        if self.bs:
+            if len(self.bs) not in (1, len(self.pad_bs)) or not all(self.bs):
+                raise ValueError(
+                    f"bs={self.bs}: expected one list of real batch sizes for every pad_bs "
+                    f"or one list per pad_bs={self.pad_bs} (--bs 64,8/256,130)"
+                )
+            for p in self.pad_bs:
+                bad = [b for b in self.bs_values(p) if not 0 < b <= p]
+                if bad:
+                    raise ValueError(
+                        f"bs={bad} out of range for pad_bs={p}: expected 1 <= bs <= pad_bs "
+                        "(one list per pad_bs: --bs 64,8/256,130)"
+                    )
+        if self.vocab_limit is not None and not 1 <= self.vocab_limit <= self.vocab:
             raise ValueError(
-                f"bs={self.bs} must pair one real batch size 1..pad_bs with each "
-                f"pad_bs={self.pad_bs}"
+                f"vocab_limit={self.vocab_limit} out of range: expected 1 <= vocab_limit <= "
+                f"vocab={self.vocab}"
             )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
-
-
-def parse_int_list(text: str) -> tuple[int, ...]:
-    """``"8,64,256"`` -> ``(8, 64, 256)`` (argparse ``type=``)."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("empty list")
-    return values
-
-
-def parse_dtype_list(text: str) -> tuple[str, ...]:
-    """``"bf16,fp32"`` -> ``("bfloat16", "float32")`` (argparse ``type=``)."""
-    out = []
-    for v in text.split(","):
-        if not v.strip():
-            continue
-        try:
-            name = normalize_dtype(v.strip())
-        except TypeError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if name not in LOGITS_DTYPES:
-            raise argparse.ArgumentTypeError(f"{v!r}: logits dtypes are {LOGITS_DTYPES}")
-        out.append(name)
-    if not out:
-        raise argparse.ArgumentTypeError("empty list")
-    return tuple(dict.fromkeys(out))
-
-
-def choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse ``type=`` for a comma-separated subset of ``choices``."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-        bad = [v for v in values if v not in choices]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: expected a comma-separated subset of {','.join(choices)}"
-            )
-        return values
-
-    return parse
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``ipc-dpsample bench``."""
-
-    def dflt(key: str) -> str:
-        g, c = GPU_DEFAULTS[key], CPU_DEFAULTS[key]
-        if isinstance(g, tuple):
-            return f"default {','.join(map(str, g))}; --cpu: {','.join(map(str, c))}"
-        return f"default {g}; --cpu: {c}"
-
-    p.add_argument("--pad-bs", type=parse_int_list, help=f"padded batch sizes ({dflt('pad_bs')})")
-    p.add_argument("--num-tokens", type=int, default=4, help="N, rows per request (default 4)")
-    p.add_argument("--vocab", type=int, help=f"communication vocab V ({dflt('vocab')})")
-    p.add_argument(
-        "--dtype",
-        type=parse_dtype_list,
-        help=f"logits dtypes, from {{bf16,fp16,fp32}} ({dflt('dtypes')})",
-    )
-    p.add_argument("--tp", type=parse_int_list, help=f"ranks per group ({dflt('tp')})")
-    p.add_argument(
-        "--backends",
-        type=choice_list(BACKEND_CHOICES),
-        default=BACKEND_CHOICES,
-        help=f"backends to measure, comma-separated from {{{','.join(BACKEND_CHOICES)}}} "
-        "(default: all; unavailable ones are reported skipped)",
-    )
-    p.add_argument(
-        "--baselines",
-        type=choice_list(BASELINES),
-        default=BASELINES,
-        help=f"baselines measured in the same run, from {{{','.join(BASELINES)}}} "
-        "(default: all that can run)",
-    )
-    p.add_argument(
-        "--mode",
-        type=choice_list(MODES),
-        default=MODES,
-        help=f"eager calls and/or CUDA-graph replays, from {{{','.join(MODES)}}} "
-        "(default: both; graph needs CUDA)",
-    )
-    p.add_argument(
-        "--ops",
-        type=choice_list(OPS),
-        default=OPS,
-        help=f"ops to measure, from {{{','.join(OPS)}}} (default: all)",
-    )
-    p.add_argument("--iters", type=int, default=50, help="timed samples per point (default 50)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls per point (default 10)")
-    p.add_argument(
-        "--graph-ops", type=int, default=10, help="calls captured per CUDA graph (default 10)"
-    )
-    p.add_argument(
-        "--out", default=None, help="output folder (default ./ipc-dpsample-bench-<timestamp>)"
-    )
-    p.add_argument("--cpu", action="store_true", help="CPU ranks over gloo even where GPUs exist")
-    p.add_argument(
-        "--no-verify", action="store_true", help="skip the bit-exact check before timing"
-    )
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per tp (default 1800)")
-    p.add_argument(
-        "--gated",
-        action="store_true",
-        help="rank threads on GPU 0 whose streams wait at one CUDA event until every rank "
-        "issued the sample, so the time is device time (one-sided backend and copy only)",
-    )
-    p.add_argument(
-        "--bs",
-        type=parse_int_list,
-        default=None,
-        help="real batch sizes, one per --pad-bs value, passed to the swap as bs= "
-        "(default: none, every row moves)",
-    )
-
-
-def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfig:
-    """Turn parsed options into a :class:`BenchConfig` (defaults depend on whether
-    the sweep runs on GPUs: ``gpu_machine and not ns.cpu``).
-
-    Raises
-    ------
-    ValueError
-        Inconsistent values (from :class:`BenchConfig`).
-    """
-    d = GPU_DEFAULTS if gpu_machine and not ns.cpu else CPU_DEFAULTS
-    out = ns.out or "ipc-dpsample-bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return BenchConfig(
-        pad_bs=ns.pad_bs or d["pad_bs"],
-        num_tokens=ns.num_tokens,
-        vocab=ns.vocab or d["vocab"],
-        dtypes=ns.dtype or d["dtypes"],
-        tp=ns.tp or d["tp"],
-        backends=tuple(ns.backends),
-        modes=tuple(ns.mode),
-        ops=tuple(ns.ops),
-        baselines=tuple(ns.baselines),
-        iters=ns.iters,
-        warmup=ns.warmup,
-        graph_ops=ns.graph_ops,
-        out=out,
-        cpu=bool(ns.cpu),
-        verify=not ns.no_verify,
-        timeout_s=float(ns.timeout),
-        gated=bool(ns.gated),
-        bs=tuple(ns.bs or ()),
-    )
 
 
 # -- plan ---------------------------------------------------------------------------
@@ -408,27 +281,50 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
     return plans
 
 
-def points(cfg: BenchConfig, lp: LaunchPlan) -> list[tuple[str, str, int, str]]:
-    """``(op, dtype, pad_bs, mode)`` measured by every impl of ``lp`` (the logits
-    dtype sweeps the swap only; the gathers move int32 / float32)."""
-    out = []
+def points(
+    cfg: BenchConfig, lp: LaunchPlan, impl: str | None = None
+) -> list[tuple[str, str, int, int, str]]:
+    """``(op, dtype, pad_bs, bs, mode)`` measured by ``impl`` of ``lp`` (every point
+    when None). The logits dtype sweeps the swap and the argmax only (the gathers
+    move int32 / float32); ``argmax_batch_vocab`` brings :data:`ARGMAX_BASELINES`
+    (measured by backends only); the raw baselines measure the three collectives.
+    ``bs`` is innermost: one CUDA graph serves every ``bs`` of its point."""
+    ops: list[str] = []
     for op in cfg.ops:
-        dtypes = cfg.dtypes if op == "swap_batch_vocab" else (_gather_dtype(op),)
+        ops += [op, *ARGMAX_BASELINES] if op == ARGMAX else [op]
+    if impl is not None and impl not in BACKEND_CHOICES:
+        ops = [op for op in ops if op in OPS and op != ARGMAX]
+    out = []
+    for op in ops:
+        dtypes = cfg.dtypes if op in LOGITS_OPS else (_gather_dtype(op),)
         for pad_bs in lp.pad_bs:
             for dtype in dtypes:
                 for mode in lp.modes:
-                    out.append((op, dtype, pad_bs, mode))
+                    out += [(op, dtype, pad_bs, bs, mode) for bs in cfg.bs_values(pad_bs)]
     return out
+
+
+#: Ops whose data is the logits (``[pad_bs*N, V/tp]`` in ``--dtype``).
+LOGITS_OPS: tuple[str, ...] = ("swap_batch_vocab", ARGMAX, *ARGMAX_BASELINES)
 
 
 def _gather_dtype(op: str) -> str:
     return "int32" if op == "gather_verify_outputs" else "float32"
 
 
-def op_bytes(op: str, dtype: str, pad_bs: int, tp: int, num_tokens: int, vocab: int) -> int:
-    """Bytes each rank receives in ``op`` (= what the copy baseline copies)."""
-    if op == "swap_batch_vocab":
-        return pad_bs // tp * num_tokens * vocab * ITEMSIZE[dtype]
+def op_bytes(
+    op: str, dtype: str, pad_bs: int, tp: int, num_tokens: int, vocab: int, bs: int | None = None
+) -> int:
+    """Bytes one rank moves in ``op`` with ``bs`` real requests (None: ``pad_bs``),
+    what the copy baseline copies. The swap: its input rows of real requests
+    (:meth:`~ipc_dpsample.layout.Layout.swap_bytes_per_rank`, = what it receives
+    when ``bs = pad_bs``); the argmax, ``read_once`` and ``swap_argmax``: the same
+    logits bytes (the shard's real rows, read once or sent); a gather: the ``bs``
+    real rows it receives."""
+    layout = Layout(tp, pad_bs, num_tokens, vocab)
+    reqs = pad_bs if bs is None else min(max(bs, 0), pad_bs)
+    if op in LOGITS_OPS:
+        return layout.swap_bytes_per_rank(pad_bs, ITEMSIZE[dtype], reqs)
     if op == "gather_verify_outputs":
-        return pad_bs * (2 * num_tokens + 1) * 4
-    return pad_bs * num_tokens * 4
+        return reqs * (2 * num_tokens + 1) * 4
+    return reqs * num_tokens * 4

@@ -13,21 +13,27 @@ from typing import Any
 
 from ..common import rank_device, stream_scope
 from .config import BenchConfig, LaunchPlan, points
-from .runners import RankCtx, Runner, make_runner
+from .runners import Prepared, RankCtx, Runner, make_runner
 
 __all__ = ["GATE_CYCLES", "Gate", "bench_point", "bench_rank"]
 
 _CAPTURE_LOCK = threading.Lock()
 
 
-def _build(ctx: RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[], Any], int]:
-    """What one timed sample runs, and how many calls it holds: ``fn`` itself
-    (eager), or the replay of a CUDA graph that captured ``cfg.graph_ops`` calls
-    (graph). Purely local: capturing launches nothing, so no rank waits here."""
+def _build(ctx: RankCtx, prep: Prepared, mode: str) -> tuple[Callable[[], Any], int, Any]:
+    """What one timed sample runs, how many calls it holds, and the output of its
+    last call: ``prep.fn`` itself (eager; no output kept), or the replay of a CUDA
+    graph that captured ``cfg.graph_ops`` calls (graph). A graph is reused by the
+    next points of the same ``prep.graph_key`` (their ``bs`` is a device value the
+    runner wrote). Purely local: capturing launches nothing, so no rank waits here."""
     if mode != "graph":
-        return fn, 1
+        return prep.fn, 1, None
     import torch
 
+    if prep.graph_key is not None and ctx.keep is not None and ctx.keep[0] == prep.graph_key:
+        _, graph, last = ctx.keep
+        return graph.replay, ctx.cfg.graph_ops, last
+    ctx.keep = None  # free the previous graph first
     graph = torch.cuda.CUDAGraph()
     # torch.cuda.graph synchronises the device and empties the cache on entry: rank
     # threads sharing a GPU capture one at a time (capturing launches nothing).
@@ -36,9 +42,18 @@ def _build(ctx: RankCtx, fn: Callable[[], Any], mode: str) -> tuple[Callable[[],
         torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"),
     ):
         for _ in range(ctx.cfg.graph_ops):
-            fn()
-    ctx.keep = graph  # replays need it alive; replaced at the next point
-    return graph.replay, ctx.cfg.graph_ops
+            last = prep.fn()
+    ctx.keep = (prep.graph_key, graph, last)  # replays need it alive
+    return graph.replay, ctx.cfg.graph_ops, last
+
+
+def _verify(ctx: RankCtx, prep: Prepared, call: Callable[[], Any], out: Any = None) -> str:
+    """Run ``call`` once on every rank, wait for all, and check ``out`` (or what
+    ``call`` returned): ``""`` when right."""
+    got = call()
+    ctx.sync_all()
+    assert prep.check is not None
+    return prep.check(got if out is None else out)
 
 
 def _time(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
@@ -191,9 +206,10 @@ def bench_rank(
     Returns
     -------
     dict
-        ``samples``: ``{(impl, op, dtype, pad_bs, mode): [seconds]}``; ``info``: per
-        key ``status`` (``ok``, ``failed`` or ``skipped``), ``note``, ``verified``
-        (True/False, None for baselines) and ``resolved`` (the backend that ran).
+        ``samples``: ``{(impl, op, dtype, pad_bs, bs, mode): [seconds]}``; ``info``:
+        per key ``status`` (``ok``, ``failed`` or ``skipped``), ``note``,
+        ``verified`` (True/False, None for baselines), ``resolved`` (the backend
+        that ran) and ``bs_arg`` (``host``, ``device`` or ``none``).
     """
     from ...group import TorchStoreGroup
 
@@ -202,7 +218,7 @@ def bench_rank(
     ctx = RankCtx(rank, group, host, device, stream, cfg, lp, gate=gate)
     samples: dict[tuple[Any, ...], list[float]] = {}
     info: dict[tuple[Any, ...], dict[str, Any]] = {}
-    total = sum(len(points(cfg, lp)) for impl in lp.impls)
+    total = sum(len(points(cfg, lp, impl)) for impl in lp.impls)
     bar = _progress(total, f"tp={lp.tp} {lp.launch} {lp.device}") if rank == 0 else None
     try:
         with stream_scope(stream):
@@ -223,7 +239,7 @@ def _bench_impl(
     bar: Any,
 ) -> None:
     cfg, lp = ctx.cfg, ctx.lp
-    pts = points(cfg, lp)
+    pts = points(cfg, lp, impl)
     runner: Runner | None = None
     note = ""
     try:
@@ -232,8 +248,8 @@ def _bench_impl(
         note = f"{type(exc).__name__}: {exc}".splitlines()[0]
     if not ctx.agree(runner is not None, f"start {impl}"):
         note = note or "another rank could not start it"
-        for op, dtype, pad_bs, mode in pts:
-            info[(impl, op, dtype, pad_bs, mode)] = _info("skipped", note, None, None)
+        for pt in pts:
+            info[(impl, *pt)] = _info("skipped", note, None, None)
         if runner is not None:
             runner.close()
         if bar is not None:
@@ -242,24 +258,24 @@ def _bench_impl(
     assert runner is not None
     broken_modes: dict[str, str] = {}
     try:
-        for op, dtype, pad_bs, mode in pts:
-            key = (impl, op, dtype, pad_bs, mode)
+        for op, dtype, pad_bs, bs, mode in pts:
+            key = (impl, op, dtype, pad_bs, bs, mode)
             if bar is not None:
-                bar.set_postfix_str(f"{impl} {op} {dtype} pad_bs={pad_bs} {mode}")
+                bar.set_postfix_str(f"{impl} {op} {dtype} pad_bs={pad_bs} bs={bs} {mode}")
             if mode in broken_modes:
                 info[key] = _info("failed", broken_modes[mode], None, runner.resolved)
                 if bar is not None:
                     bar.update()
                 continue
-            status, note, verified, step = bench_point(ctx, runner, key, samples)
-            ctx.keep = None
+            status, note, verified, step, bs_arg = bench_point(ctx, runner, key, samples)
             if status == "failed" and step == "graph":
                 broken_modes["graph"] = f"graph capture failed earlier: {note}"
-            info[key] = _info(status, note, verified, runner.resolved)
+            info[key] = _info(status, note, verified, runner.resolved, bs_arg)
             samples.setdefault(key, [])
             if bar is not None:
                 bar.update()
     finally:
+        ctx.keep = None
         ctx.sync()
         runner.close()
 
@@ -269,45 +285,52 @@ def bench_point(
     runner: Runner,
     key: tuple[Any, ...],
     samples: dict[tuple[Any, ...], list[float]],
-) -> tuple[str, str, bool | None, str]:
-    """Measure one point: set up (prepare, bit-exact check, warm-up), build (eager
-    call or captured graph), time. Each step ends with an agreement of all ranks,
-    so every rank takes the same branch even when one fails.
+) -> tuple[str, str, bool | None, str, str]:
+    """Measure one point: set up (prepare, check an eager call, warm up), build
+    (eager call or captured graph, whose replay is checked too), time. Each step
+    ends with an agreement of all ranks, so every rank takes the same branch even
+    when one fails.
 
     Returns
     -------
-    (status, note, verified, failed step)
+    (status, note, verified, failed step, bs_arg)
         ``status`` is ``ok`` or ``failed``; ``verified`` None when not checked.
     """
-    _impl, op, dtype, pad_bs, mode = key
+    _impl, op, dtype, pad_bs, bs, mode = key
     cfg = ctx.cfg
     verified: bool | None = None
     note = ""
-    fn: Callable[[], Any] = _noop
+    prep = Prepared(_noop)
     body: Callable[[], Any] = _noop
     calls = 1
     for step in ("setup", mode, "timing"):
         error = ""
         try:
             if step == "setup":
-                fn, check = runner.prepare(op, dtype, pad_bs)
-                if check is not None and cfg.verify:
-                    diff = check()
+                prep = runner.prepare(op, dtype, pad_bs, bs, mode)
+                if prep.check is not None and cfg.verify:
+                    diff = _verify(ctx, prep, prep.fn)
                     verified = not diff
                     note = f"WRONG RESULT: {diff}" if diff else ""
                 for _ in range(cfg.warmup):
-                    fn()
+                    prep.fn()
                 ctx.sync_all()
             elif step == "timing":
                 samples[key] = _time(ctx, body, calls)
             else:
-                body, calls = _build(ctx, fn, mode)
+                body, calls, last = _build(ctx, prep, mode)
+                if calls > 1 and prep.check is not None and cfg.verify:
+                    diff = _verify(ctx, prep, body, last)  # the replay, at this bs
+                    verified = bool(verified) and not diff
+                    note = note or (f"WRONG RESULT after graph replay: {diff}" if diff else "")
         except Exception as exc:
             error = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0]
+            ctx.keep = None
             _recover(ctx)
         if not ctx.agree(not error, f"{key} {step}"):
-            return "failed", error or f"{step} failed on another rank", verified, step
-    return "ok", note, verified, ""
+            ctx.keep = None
+            return "failed", error or f"{step} failed on another rank", verified, step, prep.bs_arg
+    return "ok", note, verified, "", prep.bs_arg
 
 
 def _noop() -> None:
@@ -321,5 +344,13 @@ def _recover(ctx: RankCtx) -> None:
         pass
 
 
-def _info(status: str, note: str, verified: bool | None, resolved: str | None) -> dict[str, Any]:
-    return {"status": status, "note": note, "verified": verified, "resolved": resolved}
+def _info(
+    status: str, note: str, verified: bool | None, resolved: str | None, bs_arg: str = ""
+) -> dict[str, Any]:
+    return {
+        "status": status,
+        "note": note,
+        "verified": verified,
+        "resolved": resolved,
+        "bs_arg": bs_arg,
+    }

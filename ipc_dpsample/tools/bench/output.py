@@ -14,8 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from ..common import OPS
-from .config import BASELINES, COLUMNS, BenchConfig, LaunchPlan, op_bytes, points
+from ..common import ARGMAX, OPS
+from .config import (
+    ARGMAX_BASELINES,
+    BASELINES,
+    COLUMNS,
+    BenchConfig,
+    LaunchPlan,
+    op_bytes,
+    points,
+)
 
 __all__ = [
     "IMPL_LABELS",
@@ -82,13 +90,14 @@ def make_rows(
     skip_reason = dict(lp.skipped)
     for impl in impls:
         kind = "baseline" if impl in BASELINES else "backend"
-        for op, dtype, pad_bs, mode in points(cfg, lp):
+        for op, dtype, pad_bs, bs, mode in points(cfg, lp, impl):
             row: dict[str, Any] = dict.fromkeys(COLUMNS)
             row.update(base)
-            row.update(op=op, dtype=dtype, pad_bs=pad_bs, mode=mode, impl=impl, kind=kind)
-            row["bs"] = cfg.real_bs(pad_bs) if op == "swap_batch_vocab" else None
-            row["bytes"] = op_bytes(op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab)
-            key = (impl, op, dtype, pad_bs, mode)
+            row.update(op=op, dtype=dtype, pad_bs=pad_bs, bs=bs, mode=mode, impl=impl, kind=kind)
+            if op in (ARGMAX, "swap_argmax"):
+                row["vocab_limit"] = cfg.limit
+            row["bytes"] = op_bytes(op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs)
+            key = (impl, op, dtype, pad_bs, bs, mode)
             if lp.reason or impl in skip_reason or rank_results is None:
                 row.update(status="skipped", note=lp.reason or skip_reason.get(impl, ""))
                 rows.append(row)
@@ -101,6 +110,7 @@ def make_rows(
             statuses = {i["status"] for i in infos}
             notes = sorted({i["note"] for i in infos if i["note"]})
             row["resolved"] = infos[0]["resolved"]
+            row["bs_arg"] = infos[0].get("bs_arg") or None
             verified = [i["verified"] for i in infos]
             row["verified"] = None if any(v is None for v in verified) else all(verified)
             row["note"] = "; ".join(notes)
@@ -123,22 +133,33 @@ def make_rows(
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Fill ``vs_<baseline>`` = baseline median / row median for rows of the same
-    ``(tp, launch, op, dtype, pad_bs, mode)``."""
+    """Fill, for measured rows: ``vs_<baseline>`` = baseline median / row median for
+    rows of the same ``(tp, launch, op, dtype, pad_bs, bs, mode)``; for the argmax,
+    ``vs_swap_argmax`` and ``vs_read_once`` = that op's median (same impl) / the
+    argmax's (above 1: the argmax is faster); ``vs_full_bs`` = row median / the
+    median of the same row at ``bs = pad_bs`` (the fraction of the full batch's time)."""
     medians: dict[tuple[Any, ...], float] = {}
     for r in rows:
-        if r["status"] == "ok" and r["impl"] in BASELINES:
+        if r["status"] == "ok" and r["median_us"]:
             medians[(*_point(r), r["impl"])] = float(r["median_us"])
     for r in rows:
-        if r["status"] != "ok":
+        if r["status"] != "ok" or not r["median_us"]:
             continue
+        me = float(r["median_us"])
         for b in BASELINES:
             m = medians.get((*_point(r), b))
-            r[f"vs_{b}"] = round(m / float(r["median_us"]), 4) if m and r["median_us"] else None
+            r[f"vs_{b}"] = round(m / me, 4) if m else None
+        if r["op"] == ARGMAX:
+            for helper in ARGMAX_BASELINES:
+                m = medians.get((*_point(r, op=helper), r["impl"]))
+                r[f"vs_{helper}"] = round(m / me, 4) if m else None
+        full = medians.get((*_point(r, bs=r["pad_bs"]), r["impl"]))
+        r["vs_full_bs"] = round(me / full, 4) if full else None
 
 
-def _point(r: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (r["tp"], r["launch"], r["op"], r["dtype"], r["pad_bs"], r["mode"])
+def _point(r: Mapping[str, Any], **change: Any) -> tuple[Any, ...]:
+    p = {k: r[k] for k in ("tp", "launch", "op", "dtype", "pad_bs", "bs", "mode")} | change
+    return tuple(p.values())
 
 
 # -- writers ------------------------------------------------------------------------
@@ -205,10 +226,10 @@ def series_label(impl: str, mode: str, dtype: str, *, show_dtype: bool) -> str:
 
 def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
     """Median latency against bytes per rank, log-log: one panel per (op, tp), one
-    line per (impl, mode, dtype) through its pad_bs points; a color per impl, a
-    marker per mode, a line style per dtype, baselines thinner; every point is
-    labelled with its pad_bs. Draws on an Agg canvas directly (no pyplot state, no
-    display needed).
+    line per (impl, mode, dtype) through its (pad_bs, bs) points; a color per impl,
+    a marker per mode, a line style per dtype, baselines thinner; every point is
+    labelled with its pad_bs (and bs when smaller). Draws on an Agg canvas directly
+    (no pyplot state, no display needed).
 
     Raises
     ------
@@ -220,7 +241,8 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
     from matplotlib.ticker import NullFormatter
 
     ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us")]
-    ops = [op for op in OPS if any(r["op"] == op for r in ok)] or ["no data"]
+    ops = [op for op in (*OPS, *ARGMAX_BASELINES) if any(r["op"] == op for r in ok)]
+    ops = ops or ["no data"]
     tps = sorted({(int(r["tp"]), str(r["launch"])) for r in ok}) or [(0, "")]
     fig = Figure(figsize=(5.2 * len(tps), 3.9 * len(ops)), dpi=100)
     FigureCanvasAgg(fig)
@@ -228,11 +250,13 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
     for i, op in enumerate(ops):
         for j, (tp, launch) in enumerate(tps):
             ax = grid[i][j]
-            series: dict[tuple[str, str, str], list[tuple[float, float, int]]] = {}
+            series: dict[tuple[str, str, str], list[tuple[float, float, str]]] = {}
             for r in ok:
                 if r["op"] == op and int(r["tp"]) == tp and r["launch"] == launch:
                     key = (str(r["impl"]), str(r["mode"]), str(r["dtype"]))
-                    point = (float(r["bytes"]), float(r["median_us"]), int(r["pad_bs"]))
+                    pad, bs = int(r["pad_bs"]), r.get("bs")
+                    label = f"pad_bs={pad}" if bs in (None, pad) else f"bs={bs}/{pad}"
+                    point = (float(r["bytes"]), float(r["median_us"]), label)
                     series.setdefault(key, []).append(point)
             dtypes = sorted({k[2] for k in series})
             for (impl, mode, dtype), pts in sorted(series.items()):
@@ -247,9 +271,9 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
                     linewidth=1.0 if impl in BASELINES else 1.8,
                     label=series_label(impl, mode, dtype, show_dtype=len(dtypes) > 1),
                 )
-                for x, y, pad_bs in pts:
+                for x, y, label in pts:
                     ax.annotate(
-                        f"pad_bs={pad_bs}",
+                        label,
                         (x, y),
                         textcoords="offset points",
                         xytext=(3, 3),
@@ -266,7 +290,7 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
             else:
                 ax.text(0.5, 0.5, "no successful measurement", ha="center", va="center")
             ax.set_title(f"{op}, tp={tp} {launch}" if tp else op, fontsize=10)
-            ax.set_xlabel("bytes received per rank")
+            ax.set_xlabel("bytes moved per rank (real rows)")
             ax.set_ylabel("median latency (us)")
             ax.grid(True, which="major", alpha=0.4)
             ax.grid(True, which="minor", alpha=0.15)
@@ -285,7 +309,7 @@ def _fmt(v: Any, spec: str = "") -> str:
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     """A text table of measured rows (skipped ones summarised per impl)."""
-    head = ("op", "dtype", "pad_bs", "mode", "impl", "median_us", "p10_us", "p90_us")
+    head = ("op", "dtype", "pad_bs", "bs", "mode", "impl", "median_us", "p10_us", "p90_us")
     head += ("bytes", "GB/s", "vs_copy", "vs_nccl", "vs_torch", "verified")
     table = [head]
     for r in rows:
@@ -293,7 +317,8 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
             continue
         if r["status"] != "ok":
             table.append(
-                (r["op"], r["dtype"], str(r["pad_bs"]), r["mode"], r["impl"], "FAILED")
+                (r["op"], r["dtype"], str(r["pad_bs"]), str(r["bs"]), r["mode"], r["impl"])
+                + ("FAILED",)
                 + ("",) * 7
                 + (r["note"][:60] if r["note"] else "",)
             )
@@ -303,6 +328,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
                 r["op"],
                 r["dtype"],
                 str(r["pad_bs"]),
+                str(r["bs"]) + ("*" if r.get("bs_arg") == "device" else ""),
                 r["mode"],
                 r["impl"] + (f"->{r['resolved']}" if r["impl"] == "auto" else ""),
                 _fmt(r["median_us"], ".1f"),
@@ -323,4 +349,6 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
         if r["status"] == "skipped":
             skipped.setdefault(r["impl"], r["note"] or "")
     lines += [f"  skipped {impl}: {why}" for impl, why in skipped.items()]
+    if any(r.get("bs_arg") == "device" for r in rows):
+        lines.append("  bs*: passed as a device int32 tensor (one CUDA graph serves every bs)")
     return "\n".join(line.rstrip() for line in lines)

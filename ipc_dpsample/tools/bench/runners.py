@@ -12,12 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from .config import BACKEND_CHOICES, BenchConfig, LaunchPlan, op_bytes
+from ...layout import real_reqs
+from ..common import OPS
+from .config import BACKEND_CHOICES, LOGITS_OPS, BenchConfig, LaunchPlan, op_bytes
 
 __all__ = [
     "CommRunner",
+    "Prepared",
     "RankCtx",
     "Runner",
+    "argmax_expected",
+    "close_logprobs",
     "make_runner",
     "rand_block",
     "same_bits",
@@ -83,14 +88,64 @@ def same_bits(a: Any, b: Any) -> str:
     return f"{bad} of {a.numel()} elements differ" if bad else ""
 
 
+def close_logprobs(got: Any, exp: Any, atol: float = 1e-5) -> str:
+    """``""`` when float tensors agree within ``atol`` (NaN matches NaN, ``inf`` matches
+    ``inf``), else how many differ and the largest difference."""
+    import torch
+
+    if tuple(got.shape) != tuple(exp.shape):
+        return f"shape {tuple(got.shape)} != expected {tuple(exp.shape)}"
+    g, e = got.float(), exp.float()
+    ok = (g == e) | (torch.isnan(g) & torch.isnan(e)) | ((g - e).abs() <= atol)
+    bad = int((~ok).sum().item())
+    if not bad:
+        return ""
+    worst = float((g - e).abs()[~ok].nan_to_num(float("inf")).max().item())
+    return f"{bad} of {g.numel()} logprobs differ by more than {atol} (worst {worst:.3g})"
+
+
+def argmax_expected(full: Any, limit: int) -> tuple[Any, Any]:
+    """``torch.argmax`` and the float32 log-softmax at it of every row of ``full
+    [rows, V]`` trimmed to ``limit`` columns (what ``argmax_batch_vocab`` returns)."""
+    import torch
+
+    rows = full[:, :limit].float()
+    ids = torch.argmax(rows, dim=1)
+    lps = torch.log_softmax(rows, dim=1).gather(1, ids[:, None])[:, 0]
+    return ids.to(torch.int32), lps
+
+
 # -- rank body ----------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """What one point times.
+
+    Attributes
+    ----------
+    fn : callable
+        One call of the op; returns its output.
+    check : callable or None
+        ``check(output of fn) -> ""`` when right, else what differs (after a sync).
+    graph_key : tuple or None
+        Points with the same key replay one captured CUDA graph (the ``bs`` is a
+        device value written before the replay); None: a graph of its own.
+    bs_arg : {"host", "device", "none"}
+        How the op got ``bs``.
+    """
+
+    fn: Callable[[], Any]
+    check: Callable[[Any], str] | None = None
+    graph_key: tuple[Any, ...] | None = None
+    bs_arg: str = "none"
+
+
 class Runner:
-    """One backend or baseline on one rank: ``prepare(op, dtype, pad_bs)`` returns
-    the call to time and an optional bit-exact check."""
+    """One backend or baseline on one rank: ``prepare(op, dtype, pad_bs, bs, mode)``
+    returns the call to time and an optional check (:class:`Prepared`)."""
 
     resolved: str | None = None
 
-    def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
+    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -100,7 +155,13 @@ class Runner:
 class CommRunner(Runner):
     """The package's ops on one communicator per logits dtype (a communicator's dtype
     is fixed once; every rank asks for the dtypes in the same order, so the lazily
-    built communicators are built collectively)."""
+    built communicators are built collectively), and the argmax's baselines
+    (:data:`~.config.ARGMAX_BASELINES`) on the same data.
+
+    ``bs`` reaches the ops as a host int, except at CUDA-graph points of the
+    package's ops with ``--bs``: a device int32 scalar written before the replay,
+    so one graph per (op, dtype, pad_bs) serves every ``bs``. The inputs stay the
+    same tensors across the ``bs`` of a point for that."""
 
     def __init__(self, ctx: RankCtx, backend: str) -> None:
         self.ctx = ctx
@@ -108,6 +169,8 @@ class CommRunner(Runner):
         self.comms: dict[str | None, Any] = {}
         self.comm = self._comm(None)
         self.resolved = self.comm.backend
+        self._data: dict[tuple[Any, ...], Any] = {}
+        self._bs_dev: Any = None
 
     def _comm(self, dtype: str | None) -> Any:
         comm = self.comms.get(dtype)
@@ -129,58 +192,114 @@ class CommRunner(Runner):
             )
         return comm
 
-    def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """One point's data, kept while the next points use it (one entry)."""
+        if key not in self._data:
+            self._data = {key: make()}
+        return self._data[key]
+
+    def _bs_kw(self, op: str, bs: int, mode: str) -> tuple[dict[str, Any], str]:
+        import torch
+
+        if not self.ctx.cfg.bs:
+            return {}, "none"
+        if mode != "graph" or op not in OPS:
+            return {"bs": bs}, "host"
+        if self._bs_dev is None:
+            self._bs_dev = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
+        self._bs_dev.fill_(bs)  # on the rank's stream, before any replay
+        return {"bs": self._bs_dev}, "device"
+
+    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+        kw, how = self._bs_kw(op, bs, mode)
+        key = (op, dtype, pad_bs) if how == "device" else None
+        if op in LOGITS_OPS:
+            fn, check = self._logits_op(op, dtype, pad_bs, bs, kw)
+        else:
+            fn, check = self._gather_op(op, pad_bs, bs, kw)
+        return Prepared(fn, check, key, how)
+
+    def _logits_op(
+        self, op: str, dtype: str, pad_bs: int, bs: int, kw: dict[str, Any]
+    ) -> tuple[Callable[[], Any], Callable[[Any], str] | None]:
+        import torch
+
+        cfg, r, tp, dev = self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp, self.ctx.device
+        n, s, limit = cfg.num_tokens, cfg.seed, cfg.limit
+        c = self._comm(dtype)
+        x, exp = self._cached(
+            (dtype, pad_bs),
+            lambda: (
+                swap_input(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev),
+                swap_expected(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev),
+            ),
+        )
+        real = real_reqs(pad_bs // tp, bs, r) * n  # rows of this rank's real requests
+        if op == "read_once":
+            shard = x[: bs * n]
+            return (lambda: torch.amax(shard, dim=1)), None
+        if op == "swap_batch_vocab":
+            return (lambda: c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)), (
+                lambda got: same_bits(got[:real], exp[:real])
+            )
+        ids, lps = argmax_expected(exp[:real], limit)
+        if op == "swap_argmax":
+
+            def swap_argmax() -> Any:
+                y = c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)
+                return torch.argmax(y[:real, :limit], dim=1)
+
+            return swap_argmax, (lambda got: same_bits(got.to(torch.int32), ids))
+
+        def argmax() -> Any:
+            return c.argmax_batch_vocab(x, pad_bs=pad_bs, vocab_limit=cfg.vocab_limit, **kw)
+
+        def check_argmax(got: Any) -> str:
+            bad = same_bits(got[0][:real], ids)
+            return f"token ids: {bad}" if bad else close_logprobs(got[1][:real], lps)
+
+        return argmax, check_argmax
+
+    def _gather_op(
+        self, op: str, pad_bs: int, bs: int, kw: dict[str, Any]
+    ) -> tuple[Callable[[], Any], Callable[[Any], str]]:
         import torch
 
         c, cfg, r, tp, dev = self.comm, self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp, self.ctx.device
-        n, s = cfg.num_tokens, cfg.seed
-        bs = cfg.real_bs(pad_bs)
-        kw: dict[str, int] = {} if bs is None else {"bs": bs}  # only when --bs is given
-        if op == "swap_batch_vocab":
-            c = self._comm(dtype)
-            x = swap_input(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev)
-
-            def swap() -> Any:
-                return c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)
-
-            def check_swap() -> str:
-                exp = swap_expected(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev)
-                got = self.ctx.settle(swap())
-                if bs is None:
-                    return same_bits(got, exp)
-                # rows of real requests only: global request r*R + i is real when < bs
-                real = max(0, min(pad_bs // tp, bs - r * (pad_bs // tp))) * n
-                return same_bits(got[:real], exp[:real])
-
-            return swap, check_swap
-        rq = pad_bs // tp
+        n, s, rq = cfg.num_tokens, cfg.seed, pad_bs // tp
         if op == "gather_verify_outputs":
-            parts = [
-                [rand_block(shape, "int32", dev, s, 2, k, src) for src in range(tp)]
-                for k, shape in enumerate(((rq, n), (rq, n), (rq,)))
-            ]
+            parts = self._cached(
+                (op, pad_bs),
+                lambda: [
+                    [rand_block(shape, "int32", dev, s, 2, k, src) for src in range(tp)]
+                    for k, shape in enumerate(((rq, n), (rq, n), (rq,)))
+                ],
+            )
 
             def gather() -> Any:
-                return c.gather_verify_outputs(parts[0][r], parts[1][r], parts[2][r], pad_bs=pad_bs)
+                return c.gather_verify_outputs(
+                    parts[0][r], parts[1][r], parts[2][r], pad_bs=pad_bs, **kw
+                )
 
-            def check_gather() -> str:
-                outs = self.ctx.settle(gather())
+            def check_gather(outs: Any) -> str:
                 return "; ".join(
-                    d for o, p in zip(outs, parts, strict=True) if (d := same_bits(o, torch.cat(p)))
+                    d
+                    for o, p in zip(outs, parts, strict=True)
+                    if (d := same_bits(o[:bs], torch.cat(p)[:bs]))
                 )
 
             return gather, check_gather
-        lps = [rand_block((rq, n), "float32", dev, s, 3, src) for src in range(tp)]
+        lps = self._cached(
+            (op, pad_bs), lambda: [rand_block((rq, n), "float32", dev, s, 3, k) for k in range(tp)]
+        )
 
         def logprobs() -> Any:
-            return c.gather_verify_logprobs(lps[r], pad_bs=pad_bs)
+            return c.gather_verify_logprobs(lps[r], pad_bs=pad_bs, **kw)
 
-        def check_lp() -> str:
-            return same_bits(self.ctx.settle(logprobs()), torch.cat(lps))
-
-        return logprobs, check_lp
+        return logprobs, (lambda got: same_bits(got[:bs], torch.cat(lps)[:bs]))
 
     def close(self) -> None:
+        self._data = {}
         for comm in self.comms.values():
             comm.close()
 
@@ -201,18 +320,18 @@ class _CopyRunner(Runner):
             self.dst_device = dev
             self.resolved = "memcpy" if ctx.lp.device == "cpu" else "device copy"
 
-    def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
+    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
         import torch
 
         cfg = self.ctx.cfg
-        nbytes = op_bytes(op, dtype, pad_bs, self.ctx.lp.tp, cfg.num_tokens, cfg.vocab)
+        nbytes = op_bytes(op, dtype, pad_bs, self.ctx.lp.tp, cfg.num_tokens, cfg.vocab, bs)
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.ctx.device)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=self.dst_device)
 
         def copy() -> Any:
             return dst.copy_(src, non_blocking=True)
 
-        return copy, None
+        return Prepared(copy)
 
 
 class _TorchDistRunner(Runner):
@@ -226,21 +345,20 @@ class _TorchDistRunner(Runner):
         self.ctx = ctx
         self.dist = dist
 
-    def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
+    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
         import torch
 
         dist, cfg, tp, dev = self.dist, self.ctx.cfg, self.ctx.lp.tp, self.ctx.device
         if op == "swap_batch_vocab":
-            nbytes = op_bytes(op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab)
+            nbytes = _split_bytes(op, dtype, pad_bs, tp, cfg, bs)
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
-            return (lambda: dist.all_to_all_single(dst, src)), None
-        rq, n = pad_bs // tp, cfg.num_tokens
-        words = rq * (2 * n + 1) if op == "gather_verify_outputs" else rq * n
+            return Prepared(lambda: dist.all_to_all_single(dst, src))
+        words = _gather_bytes(op, tp, cfg.num_tokens, bs) // 4
         src = torch.randint(1, 1000, (words,), dtype=torch.int32, device=dev)
         dst = torch.empty(tp * words, dtype=torch.int32, device=dev)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(dst, src)), None
+        return Prepared(lambda: gather(dst, src))
 
 
 class _NcclCupyRunner(Runner):
@@ -272,7 +390,7 @@ class _NcclCupyRunner(Runner):
                 )
         self.u8 = int(getattr(nccl, "NCCL_UINT8", 1))
 
-    def prepare(self, op: str, dtype: str, pad_bs: int) -> tuple[Callable[[], Any], Any]:
+    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
         import torch
 
         nccl, comm, u8 = self.nccl, self.comm, self.u8
@@ -282,7 +400,7 @@ class _NcclCupyRunner(Runner):
             return int(torch.cuda.current_stream(dev).cuda_stream)
 
         if op == "swap_batch_vocab":
-            nbytes = op_bytes(op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab)
+            nbytes = _split_bytes(op, dtype, pad_bs, tp, cfg, bs)
             chunk = nbytes // tp
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
@@ -297,9 +415,8 @@ class _NcclCupyRunner(Runner):
                     comm.recv(dp + peer * chunk, chunk, u8, peer, s)
                 nccl.groupEnd()
 
-            return all_to_all, None
-        rq, n = pad_bs // tp, cfg.num_tokens
-        nbytes = 4 * (rq * (2 * n + 1) if op == "gather_verify_outputs" else rq * n)
+            return Prepared(all_to_all)
+        nbytes = _gather_bytes(op, tp, cfg.num_tokens, bs)
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         dst = torch.empty(tp * nbytes, dtype=torch.uint8, device=dev)
         self._alive = (src, dst)
@@ -308,10 +425,21 @@ class _NcclCupyRunner(Runner):
         def all_gather() -> None:
             comm.allGather(sp, dp, nbytes, u8, stream())
 
-        return all_gather, None
+        return Prepared(all_gather)
 
     def close(self) -> None:
         self.comm.destroy()
+
+
+def _split_bytes(op: str, dtype: str, pad_bs: int, tp: int, cfg: BenchConfig, bs: int) -> int:
+    """The op's bytes per rank rounded down to ``tp`` equal chunks (an all-to-all)."""
+    return op_bytes(op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab, bs) // tp * tp
+
+
+def _gather_bytes(op: str, tp: int, n: int, bs: int) -> int:
+    """Bytes each rank contributes to a raw all-gather of ``bs`` real rows."""
+    rows = -(-bs // tp)
+    return 4 * rows * (2 * n + 1 if op == "gather_verify_outputs" else n)
 
 
 @dataclass

@@ -311,6 +311,22 @@ def level(ok: bool, report: Mapping[str, Any]) -> str:
 
 
 # -- human output -------------------------------------------------------------------
+def _gpu_line(d: dict[str, Any]) -> str:
+    """One GPU of the report's ``gpus.devices``."""
+    bus = f" bus {d['pci_bus_id']}" if d["pci_bus_id"] else ""
+    memory = f"{d['memory_bytes'] / 2**30:.0f} GiB"
+    cc = d["compute_capability"].replace(".", "")
+    return f"  {d['index']}: {d['name']} sm_{cc} {memory} {d['uuid'] or '(uuid unknown)'}{bus}"
+
+
+def _nvml_line(d: dict[str, Any]) -> str:
+    """One GPU of the report's ``topology.gpus``."""
+    links = "no" if d["nvlink_active"] is None else d["nvlink_active"]
+    version = f" (NVLink {d['nvlink_version']})" if d["nvlink_version"] else ""
+    where = f"NVML {d['nvml_index']} (CUDA {d['cuda_index']})"
+    return f"  {where}: {d['name']}, {links} NVLinks active{version}"
+
+
 def _mark(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
@@ -334,12 +350,7 @@ def format_human(report: Mapping[str, Any]) -> str:
     lines.append(f"GPUs (torch sees {g['torch_count']}, CuPy {g['cupy_count']})")
     if not g["devices"]:
         lines.append(f"  none{' - ' + g['error'] if g['error'] else ''}")
-    for d in g["devices"]:
-        lines.append(
-            f"  {d['index']}: {d['name']} sm_{d['compute_capability'].replace('.', '')} "
-            f"{d['memory_bytes'] / 2**30:.0f} GiB {d['uuid'] or '(uuid unknown)'}"
-            + (f" bus {d['pci_bus_id']}" if d["pci_bus_id"] else "")
-        )
+    lines.extend(_gpu_line(d) for d in g["devices"])
     p = report["p2p"]
     lines.append("")
     if p["skipped"]:
@@ -361,12 +372,7 @@ def format_human(report: Mapping[str, Any]) -> str:
     t = report["topology"]
     lines.append("")
     lines.append(f"topology (source: {t['source']}){': ' + t['detail'] if t['detail'] else ''}")
-    for d in t["gpus"]:
-        lines.append(
-            f"  NVML {d['nvml_index']} (CUDA {d['cuda_index']}): {d['name']}, "
-            f"{d['nvlink_active'] if d['nvlink_active'] is not None else 'no'} NVLinks active"
-            + (f" (NVLink {d['nvlink_version']})" if d["nvlink_version"] else "")
-        )
+    lines.extend(_nvml_line(d) for d in t["gpus"])
     if t["text"]:
         lines.extend("  " + line for line in t["text"].splitlines())
     lines.append("")

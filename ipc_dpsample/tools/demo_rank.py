@@ -1,0 +1,219 @@
+"""The rank body of ``ipc-dpsample demo`` (:func:`demo_rank`, reused by ``doctor``
+for its self-tests): verify every op against the NumPy reference of
+:mod:`ipc_dpsample.layout` over several rounds of fresh data, once with a real
+batch ``bs < pad_bs`` (real rows only), time the ops, and verify again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..layout import real_reqs
+from .common import (
+    ARGMAX,
+    OPS,
+    DemoPlan,
+    RankData,
+    bits_equal,
+    logprobs_close,
+    make_round,
+    rank_device,
+    stream_scope,
+    to_numpy,
+    to_torch,
+)
+
+__all__ = ["demo_rank"]
+
+
+@dataclass
+class _OpRecord:
+    times_s: list[float] = field(default_factory=list)
+    checks: int = 0  # outputs compared with the reference
+    bs_checks: int = 0  # of them, outputs of the bs < pad_bs pass (real rows only)
+    mismatches: list[str] = field(default_factory=list)
+
+
+def _timer(cuda: bool, stream: Any, issued: Any = None) -> Any:
+    """A callable that times ``fn`` ``n`` times and returns seconds per call."""
+    if not cuda:
+
+        def time_cpu(fn: Any, n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+
+        return time_cpu
+    import torch
+
+    def time_cuda(fn: Any, n: int) -> list[float]:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            starts[i].record(stream)
+            fn()
+            ends[i].record(stream)
+        if issued is not None:
+            issued()
+        ends[-1].synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
+
+    return time_cuda
+
+
+def demo_rank(
+    rank: int,
+    world: int,
+    group: Any,
+    plan: DemoPlan,
+    shared: list[list[RankData]] | None = None,
+) -> dict[str, Any]:
+    """Body of one demo rank (for ``run_ranks`` / ``run_threads``).
+
+    Verifies ``plan.rounds`` rounds of fresh data, then round 0 once more with
+    ``bs=plan.bs`` (every op; the real rows only), times ``plan.iters`` calls of
+    every op, then verifies round 0 again (the buffers were reused in between).
+
+    Parameters
+    ----------
+    rank, world : int
+    group : None (the torch.distributed world) or ThreadGroup
+    plan : DemoPlan
+    shared : list of rounds of per-rank data, or None
+        Prebuilt data (threads share one copy); None builds it here.
+
+    Returns
+    -------
+    dict
+        ``rank``, ``backend``, ``explain``, ``device`` and ``ops``: per op
+        ``times_s``, ``checks`` (outputs compared), ``bs_checks`` (of them, with
+        ``bs=plan.bs``) and ``mismatches``.
+    """
+    from ..comm import DpSamplingComm
+
+    cuda = plan.device == "cuda"
+    device, stream = rank_device(plan.device, plan.launch, world)
+    records = {op: _OpRecord() for op in OPS}
+
+    def data(round_: int) -> RankData:
+        if shared is not None:
+            return shared[round_][rank]
+        return make_round(plan, round_, [rank])[0]
+
+    with stream_scope(stream):
+        comm = DpSamplingComm(
+            tp_size=world, rank=rank, group=group, device=device, **plan.comm_options()
+        )
+        issued = _issued(group, cuda, plan.timeout_s)
+        try:
+            for round_ in range(plan.rounds):
+                _verify_round(comm, plan, data(round_), device, records, issued)
+            _verify_round(comm, plan, data(0), device, records, issued, bs=plan.bs)
+            _time_ops(comm, plan, data(plan.rounds - 1), device, records, stream, issued)
+            _verify_round(comm, plan, data(0), device, records, issued)  # reused buffers
+        finally:
+            comm.close()
+    return {
+        "rank": rank,
+        "backend": comm.backend,
+        "explain": comm.explain(),
+        "device": comm.device,
+        "ops": {op: vars(rec) for op, rec in records.items()},
+    }
+
+
+def _tensors(d: RankData, plan: DemoPlan, device: Any) -> dict[str, Any]:
+    return {
+        "logits": to_torch(d.logits, plan.dtype, device),
+        "predict": to_torch(d.predict, "int32", device),
+        "accept_index": to_torch(d.accept_index, "int32", device),
+        "accept_length": to_torch(d.accept_length, "int32", device),
+        "logprobs": to_torch(d.logprobs, "float32", device),
+    }
+
+
+def _issued(group: Any, cuda: bool, timeout_s: float) -> Any:
+    """Rank threads sharing a GPU agree that every rank has issued an op before any
+    of them blocks on it (see ipc_dpsample.testing.run_threads); a no-op otherwise."""
+    if not cuda or group is None:
+        return lambda: None
+    return lambda: group.barrier(timeout_s=timeout_s, what="op issued")
+
+
+def _verify_round(
+    comm: Any,
+    plan: DemoPlan,
+    d: RankData,
+    device: Any,
+    records: dict[str, _OpRecord],
+    issued: Any,
+    bs: int | None = None,
+) -> None:
+    """Run every op once on ``d`` and compare with the reference; with ``bs``, pass
+    it to every op and compare the real rows only."""
+    t = _tensors(d, plan, device)
+    pad_bs, n = plan.pad_bs, plan.num_tokens
+    kw = {} if bs is None else {"bs": bs}
+    real = real_reqs(plan.reqs_per_rank, bs, comm.config.rank) * n  # swap/argmax rows
+    rows = pad_bs if bs is None else bs  # gathered rows
+
+    def check(op: str, name: str, got: np.ndarray, exp: np.ndarray, close: bool = False) -> None:
+        rec = records[op]
+        rec.checks += 1
+        rec.bs_checks += bs is not None
+        diff = (logprobs_close if close else bits_equal)(got, exp)
+        if diff:
+            rec.mismatches.append(f"{name}{'' if bs is None else f' (bs={bs})'}: {diff}")
+
+    # Each output is copied to the host before the next op is issued (the contract).
+    out = comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs, **kw)
+    issued()
+    check("swap_batch_vocab", "swapped logits", to_numpy(out)[:real], d.expect_swap[:real])
+    outs = comm.gather_verify_outputs(
+        t["predict"], t["accept_index"], t["accept_length"], pad_bs=pad_bs, **kw
+    )
+    issued()
+    for name, out, exp in zip(
+        ("predict", "accept_index", "accept_length"), outs, d.expect_outputs, strict=True
+    ):
+        check("gather_verify_outputs", name, to_numpy(out)[:rows], exp[:rows])
+    lp = comm.gather_verify_logprobs(t["logprobs"], pad_bs=pad_bs, **kw)
+    issued()
+    check("gather_verify_logprobs", "logprobs", to_numpy(lp)[:rows], d.expect_logprobs[:rows])
+    ids, lps = comm.argmax_batch_vocab(t["logits"], pad_bs=pad_bs, **kw)
+    issued()
+    ids, lps = to_numpy(ids)[:real], to_numpy(lps)[:real]
+    check(ARGMAX, "token ids", ids, d.expect_argmax[0][:real])
+    check(ARGMAX, "argmax logprobs", lps, d.expect_argmax[1][:real], close=True)
+
+
+def _time_ops(
+    comm: Any,
+    plan: DemoPlan,
+    d: RankData,
+    device: Any,
+    records: dict[str, _OpRecord],
+    stream: Any,
+    issued: Any = None,
+) -> None:
+    t = _tensors(d, plan, device)
+    pad_bs = plan.pad_bs
+    timer = _timer(plan.device == "cuda", stream, issued)
+    calls = {
+        "swap_batch_vocab": lambda: comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs),
+        "gather_verify_outputs": lambda: comm.gather_verify_outputs(
+            t["predict"], t["accept_index"], t["accept_length"], pad_bs=pad_bs
+        ),
+        "gather_verify_logprobs": lambda: comm.gather_verify_logprobs(t["logprobs"], pad_bs=pad_bs),
+        ARGMAX: lambda: comm.argmax_batch_vocab(t["logits"], pad_bs=pad_bs),
+    }
+    for op, fn in calls.items():
+        fn()  # one untimed call per op (first-call costs)
+        records[op].times_s = timer(fn, plan.iters)
