@@ -27,6 +27,12 @@ step "${T_GRAPH:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesid
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]}" --timeout 30 tests/test_onesided_gpu.py -k "$graph_k"
 step "${T_BSARGMAX:-200}" "$out/bsargmax.log" "${py[@]}" --timeout 150 tests/test_onesided_bs_argmax_gpu.py
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_BSARGMAX_COPY:-60}" "$out/bsargmax.log" "${py[@]}" --timeout 60 tests/test_onesided_bs_argmax_gpu.py -k "graph or tokenspeed"
+# issue 13 (real rows) and 14 (argmax) tables: tp=8 gated, one GPU
+bench=(python3 -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --baselines copy --iters 20)
+step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --bs 256,192,130,64,8 --dtype fp32 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-fp32
+step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --bs 64,48,33,16,2 --dtype bf16 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-bf16
+step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --dtype fp32 --ops argmax_batch_vocab --out /tmp/i14-fp32
+step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --dtype bf16 --ops argmax_batch_vocab --out /tmp/i14-bf16
 step "${T_SETUP:-60}" "$out/misc.log" python3 scripts/profile_setup.py --tp 8 --reps 5
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
 # swap knobs, big swap only: KNOBS="ctas_per_sm:unroll:fit:streaming:chunk:block ..." (each run its own
