@@ -549,7 +549,13 @@ def test_ipc_pair_check_between_two_processes() -> None:
         assert pair["verified"], pair["detail"]
     else:
         assert not pair["verified"]
-        assert pair["detail"].count("GPU 0 at cudaSetDevice") == 2, pair["detail"]
+        try:
+            import cupy  # noqa: F401
+
+            step = "GPU 0 at cudaSetDevice"  # CuPy without a GPU
+        except ImportError:
+            step = "No module named 'cupy'"  # the [test] extra installs no CUDA package
+        assert pair["detail"].count(step) == 2, pair["detail"]
 
 
 def test_collect_without_gpus_is_well_formed() -> None:
