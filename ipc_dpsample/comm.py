@@ -163,9 +163,11 @@ class DpSamplingComm:
             import torch
 
             from .backends.torch_backend import TorchBackend
+            from .select import gpu_sharing_ranks
 
             dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
-            return TorchBackend(self.config, self._group, dev)  # type: ignore[arg-type]
+            shared = self._device >= 0 and gpu_sharing_ranks(records) > 0
+            return TorchBackend(self.config, self._group, dev, shared)  # type: ignore[arg-type]
         if name == "nccl":
             from .backends.nccl import NcclBackend
 

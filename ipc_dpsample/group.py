@@ -160,7 +160,9 @@ class TorchStoreGroup:
             self._member_pgs[device_type] = pg
         return pg
 
-    def dedicated_process_group(self, device_type: str, timeout_s: float) -> tuple[Any, str]:
+    def dedicated_process_group(
+        self, device_type: str, timeout_s: float, transport: str | None = None
+    ) -> tuple[Any, str]:
         """A new members-only process group whose every collective fails after
         ``timeout_s``, and a store key prefix of its own.
 
@@ -171,20 +173,23 @@ class TorchStoreGroup:
         Returns
         -------
         (process group, str)
-            The group (gloo for ``"cpu"``, NCCL otherwise; call its
-            ``alltoall_base`` directly) and the key prefix for :meth:`post` and
-            :meth:`collect`.
+            The group (``transport``: ``"gloo"`` or ``"nccl"``; None: gloo for
+            ``"cpu"``, NCCL otherwise; call its ``alltoall_base`` directly) and the
+            key prefix for :meth:`post` and :meth:`collect`.
         """
         index = next(self._dedicated)
         prefix = f"{self._prefix}/dedicated{index}"
-        return self._make_pg(f"{prefix}/pg/{device_type}", device_type, timeout_s), prefix
+        kind = transport or ("gloo" if device_type == "cpu" else "nccl")
+        return self._make_pg(
+            f"{prefix}/pg/{kind}", "cpu" if kind == "gloo" else device_type, timeout_s
+        ), prefix
 
     def _make_pg(self, prefix: str, device_type: str, timeout_s: float) -> Any:
         import torch.distributed as dist
 
         store = dist.PrefixStore(prefix, self._store)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if device_type == "cpu":
+        if device_type == "cpu":  # gloo (also for CUDA tensors of ranks sharing a GPU)
             return dist.ProcessGroupGloo(store, self._rank, self.size, timeout)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .config import BackendName, PeerRecord, RequestedBackend, gpu_digest
 from .errors import BackendUnavailableError
 
-__all__ = ["Facts", "combine", "onesided_blockers", "select_backend"]
+__all__ = ["Facts", "combine", "gpu_sharing_ranks", "onesided_blockers", "select_backend"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _p2p(records: Sequence[PeerRecord]) -> tuple[bool | None, str]:
     return (None, unknown) if unknown else (True, "")
 
 
-def _gpu_sharing_ranks(records: Sequence[PeerRecord]) -> int:
+def gpu_sharing_ranks(records: Sequence[PeerRecord]) -> int:
     """Ranks whose (host, boot, GPU UUID) a lower rank already has; ranks whose GPU
     UUID is unknown ("") are not counted (no evidence that they share)."""
     known = [(r.host_id, r.boot_id, r.gpu_uuid) for r in records if r.gpu_uuid]
@@ -120,7 +120,7 @@ def combine(
         has_torch_group=has_torch_group,
         ipc_verified=ipc_verified,
         ipc_detail=ipc_detail,
-        gpu_sharing_ranks=_gpu_sharing_ranks(records) if cuda else 0,
+        gpu_sharing_ranks=gpu_sharing_ranks(records) if cuda else 0,
     )
 
 

@@ -175,7 +175,7 @@ def test_ranks_sharing_a_gpu_rule_out_nccl() -> None:
 def test_gpu_sharing_ranks_counts_repeated_gpus_only() -> None:
     from types import SimpleNamespace
 
-    from ipc_dpsample.select import _gpu_sharing_ranks
+    from ipc_dpsample.select import gpu_sharing_ranks as _gpu_sharing_ranks
 
     def rec(host: str, gpu: str) -> Any:
         return SimpleNamespace(host_id=host, boot_id="b", gpu_uuid=gpu)

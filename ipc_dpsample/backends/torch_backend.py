@@ -92,11 +92,19 @@ class TorchBackend(TorchPlans, Backend):
         Its store carries the dedicated process group and the failure records.
     device : torch.device
         ``cpu`` or ``cuda:k``; every persistent buffer lives there.
+    shared_gpu : bool
+        Some ranks share a GPU (NCCL refuses that): CUDA tensors travel over gloo.
     """
 
     name = "torch"
 
-    def __init__(self, cfg: CommConfig, group: TorchStoreGroup, device: torch.device):
+    def __init__(
+        self,
+        cfg: CommConfig,
+        group: TorchStoreGroup,
+        device: torch.device,
+        shared_gpu: bool = False,
+    ):
         self.cfg = cfg
         self.group = group
         self.device = device
@@ -110,7 +118,11 @@ class TorchBackend(TorchPlans, Backend):
         self._pg: Any = None
         self._key = ""
         if self._tp > 1:
-            self._pg, self._key = group.dedicated_process_group(device.type, cfg.timeout_s)
+            # NCCL refuses two ranks on one GPU: such ranks' CUDA tensors go over gloo
+            transport = "gloo" if device.type == "cpu" or shared_gpu else "nccl"
+            self._pg, self._key = group.dedicated_process_group(
+                device.type, cfg.timeout_s, transport
+            )
         kw: dict[str, Any] = {"device": device}
         n, rmax, peers = self._n, self._rmax, max(self._tp - 1, 1)
         itemsize = _TORCH_DTYPES[cfg.logits_dtype or "float32"].itemsize

@@ -219,7 +219,9 @@ class NcclSetup:
         self._views.clear()
         for plans in self._plans:
             plans.clear()
-        self._bufs.clear()
+        # a new dict, not clear(): every output view holds the old one (its owner), so
+        # outputs handed out stay valid after close; the memory goes with the last view
+        self._bufs = {}
         if self._err_host and cupy is not None:
             self._err_code = ctypes.c_int32(0)  # never read freed host memory
             cupy.cuda.runtime.freeHost(self._err_host)
