@@ -13,7 +13,6 @@ from .config import BackendName, CommConfig, PeerRecord
 from .errors import DpSampleError
 from .group import HostGroup, resolve_group
 from .identity import check_device_usable, resolve_device
-from .layout import Layout
 from .protocol import LOGITS_DTYPES
 from .rendezvous import build_backend
 from .validate import ArgChecker, DtypeMismatchError
@@ -146,7 +145,6 @@ class DpSamplingComm:
             self._reason += "; the data moves through fallback_comm_backend"
         self._logits_dtype = self.config.logits_dtype
         self._check = ArgChecker(self.config, self._device)
-        self.layout = Layout(tp_size, max_pad_bs, num_tokens_per_req, vocab_size)
 
     def _make_backend(self, name: BackendName, records: list[PeerRecord]) -> Backend:
         if self._fallback is not None:  # TokenSpeed: the non-one-sided path uses it
