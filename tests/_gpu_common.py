@@ -123,3 +123,13 @@ def reference_argmax(x_all, tp: int, pad_bs: int, n: int, dtype: str, vocab_limi
     return reference_argmax_batch_vocab(
         inputs, tp=tp, num_tokens_per_req=n, pad_bs=pad_bs, dtype=dtype, vocab_limit=vocab_limit
     )
+
+
+def onesided_comm(group, rank: int, tp: int, **kw):
+    """A communicator of the GPU tests: one-sided on GPU 0, 20 s timeout unless given."""
+    from ipc_dpsample import DpSamplingComm
+
+    kw.setdefault("backend", "onesided")
+    kw.setdefault("device", 0)
+    kw.setdefault("timeout_s", 20.0)
+    return DpSamplingComm(tp_size=tp, rank=rank, group=group, **kw)

@@ -25,11 +25,12 @@ from _gpu_common import (
     argmax_inputs,
     bits,
     gpu_skip_reason,
+    onesided_comm,
     reference_argmax,
     swap_reference_torch,
 )
 
-from ipc_dpsample import DpSampleError, DpSamplingComm
+from ipc_dpsample import DpSampleError
 from ipc_dpsample.layout import real_reqs
 from ipc_dpsample.testing import run_ranks, run_threads
 
@@ -39,11 +40,7 @@ POISON32 = -1  # 0xFFFFFFFF as int32; as float32 a NaN with all bits set
 _CAPTURE_LOCK = threading.Lock()
 
 
-def _comm(group, rank, tp, **kw):
-    kw.setdefault("backend", "onesided")
-    kw.setdefault("device", 0)
-    kw.setdefault("timeout_s", 20.0)
-    return DpSamplingComm(tp_size=tp, rank=rank, group=group, **kw)
+_comm = onesided_comm
 
 
 def _settle(group, what):

@@ -18,9 +18,16 @@ import time
 
 import numpy as np
 import pytest
-from _gpu_common import all_inputs, all_verify, bits, gpu_skip_reason, swap_reference_torch
+from _gpu_common import (
+    all_inputs,
+    all_verify,
+    bits,
+    gpu_skip_reason,
+    onesided_comm,
+    swap_reference_torch,
+)
 
-from ipc_dpsample import DpSampleError, DpSamplingComm, PeerTimeoutError
+from ipc_dpsample import DpSampleError, PeerTimeoutError
 from ipc_dpsample.layout import (
     reference_gather,
     reference_swap_batch_vocab,
@@ -31,11 +38,7 @@ _REASON = gpu_skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
-def _comm(group, rank, tp, **kw):
-    kw.setdefault("backend", "onesided")
-    kw.setdefault("device", 0)
-    kw.setdefault("timeout_s", 20.0)
-    return DpSamplingComm(tp_size=tp, rank=rank, group=group, **kw)
+_comm = onesided_comm
 
 
 def _sync_poison(comm, group):
