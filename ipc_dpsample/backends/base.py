@@ -85,6 +85,7 @@ class Backend(ABC):
     ) -> Any:
         """float32 ``[R, N]`` -> ``[pad_bs, N]``."""
 
+    @abstractmethod
     def argmax_batch_vocab(
         self,
         x: Any,
@@ -98,7 +99,6 @@ class Backend(ABC):
         """``x[pad_bs*N, V/tp]`` -> (token_ids int32 ``[R*N]``, logprobs float32
         ``[R*N]``) for this rank's requests (see
         :func:`ipc_dpsample.layout.reference_argmax_batch_vocab`)."""
-        raise NotImplementedError(f"{type(self).__name__} has no argmax_batch_vocab yet")
 
     def check(self) -> None:  # noqa: B027 - optional hook
         """Raise any error an earlier asynchronous op reported."""
