@@ -25,7 +25,8 @@ def _build(ctx: RankCtx, prep: Prepared, mode: str) -> tuple[Callable[[], Any], 
     last call: ``prep.fn`` itself (eager; no output kept), or the replay of a CUDA
     graph that captured ``cfg.graph_ops`` calls (graph). A graph is reused by the
     next points of the same ``prep.graph_key`` (their ``bs`` is a device value the
-    runner wrote). Purely local: capturing launches nothing, so no rank waits here."""
+    runner wrote). Purely local: capturing launches nothing; the caller quiesces
+    every rank before anyone replays."""
     if mode != "graph":
         return prep.fn, 1, None
     import torch
@@ -308,10 +309,12 @@ def bench_point(
         try:
             if step == "setup":
                 prep = runner.prepare(op, dtype, pad_bs, bs, mode)
+                ctx.quiesce("inputs prepared")
                 if prep.check is not None and cfg.verify:
                     diff = _verify(ctx, prep, prep.fn)
                     verified = not diff
                     note = f"WRONG RESULT: {diff}" if diff else ""
+                ctx.quiesce("checked")  # the check may allocate and load kernels
                 for _ in range(cfg.warmup):
                     prep.fn()
                 ctx.sync_all()
@@ -319,6 +322,10 @@ def bench_point(
                 samples[key] = _time(ctx, body, calls)
             else:
                 body, calls, last = _build(ctx, prep, mode)
+                # torch.cuda.graph synchronises the device on entry: no rank replays
+                # while a peer still captures (its sync would wait for the replay's
+                # spinning kernels, which wait for that peer)
+                ctx.quiesce("captured")
                 if calls > 1 and prep.check is not None and cfg.verify:
                     diff = _verify(ctx, prep, body, last)  # the replay, at this bs
                     verified = bool(verified) and not diff

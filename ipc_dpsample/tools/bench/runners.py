@@ -465,6 +465,15 @@ class RankCtx:
             self.host.barrier(timeout_s=self.cfg.timeout_s, what="ops issued")
         self.sync()
 
+    def quiesce(self, what: str) -> None:
+        """Before rank threads sharing a GPU issue ops: this rank's own work done,
+        then every rank's (sync, then barrier). A rank still allocating, copying or
+        loading a kernel while a peer's op spins for it can block that peer until
+        the timeout (see ipc_dpsample.testing.run_threads)."""
+        self.sync()
+        if self.stream is not None and self.group is not None:
+            self.host.barrier(timeout_s=self.cfg.timeout_s, what=what)
+
     def settle(self, out: Any) -> Any:
         self.sync_all()
         return out
