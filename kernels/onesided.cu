@@ -2,7 +2,7 @@
 // mappings, signal with epoch-tagged flags, wait with the one bounded spin of
 // dp_common.cuh. Host half: ipc_dpsample/backends/onesided/.
 //
-// Arena (offsets in DpDesc, computed by ArenaLayout on the host):
+// Arena (offsets in DpDesc, computed by ArenaOffsets on the host):
 //   ctrl   : u32 epoch, counter, broken ... ; u64 probe[tp]
 //   flags  : u64 flags[2][tp]            one writer per word: flags[p][src]
 //   ready  : u64 ready[2][tp]            graph-mode swap entry barrier, same scheme

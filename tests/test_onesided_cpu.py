@@ -13,7 +13,7 @@ import pytest
 from ipc_dpsample.backends.onesided.contract import (
     ERROR_BLOCK_SIZE,
     MAX_SIG_PAD_BS,
-    ArenaLayout,
+    ArenaOffsets,
     DpDesc,
     DpErrorBlock,
     pack_signature,
@@ -45,7 +45,7 @@ KERNELS = Path(__file__).resolve().parent.parent / "kernels"
     ],
 )
 def test_arena_layout_regions_are_aligned_disjoint_and_large_enough(tp, max_pad_bs, n, v, itemsize):
-    lay = ArenaLayout(tp, max_pad_bs, n, v, itemsize)
+    lay = ArenaOffsets(tp, max_pad_bs, n, v, itemsize)
     r = max_pad_bs // tp
     regions = [
         ("probe", lay.probe_off, 8 * tp),
@@ -143,7 +143,7 @@ def test_header_constants_match_the_python_side(header_probe):
 
 
 def test_descriptor_carries_the_layout():
-    lay = ArenaLayout(4, 64, 3, 4096, 2)
+    lay = ArenaOffsets(4, 64, 3, 4096, 2)
     d = lay.descriptor(peers=1, base=2, err=3, timeout_ns=4, rank=3, parity_mask=1)
     raw = bytes(d)
     assert len(raw) == ctypes.sizeof(DpDesc)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from .arena import Arena, Connection, connect, failed_peer, prepare_arena, teardown
 from .backend import OnesidedBackend, SwapPlan, swap_block
-from .contract import ArenaLayout, DpDesc, DpErrorBlock, pack_signature, unpack_signature
+from .contract import ArenaOffsets, DpDesc, DpErrorBlock, pack_signature, unpack_signature
 
 __all__ = [
     "Arena",
-    "ArenaLayout",
+    "ArenaOffsets",
     "Connection",
     "DpDesc",
     "DpErrorBlock",

@@ -28,7 +28,7 @@ from ...ipc import (
 )
 from ...kernel_cache import get_kernel
 from ...protocol import FixedRecord
-from .contract import ERROR_BLOCK_SIZE, MAX_SIG_PAD_BS, ArenaLayout
+from .contract import ERROR_BLOCK_SIZE, MAX_SIG_PAD_BS, ArenaOffsets
 
 __all__ = ["Arena", "Connection", "connect", "prepare_arena", "teardown"]
 
@@ -45,12 +45,12 @@ class Arena:
 
     Parameters
     ----------
-    layout : ArenaLayout
+    layout : ArenaOffsets
     device : int
         CUDA ordinal (must be current).
     """
 
-    def __init__(self, layout: ArenaLayout, device: int):
+    def __init__(self, layout: ArenaOffsets, device: int):
         from cupy.cuda import runtime
 
         self.layout = layout
@@ -86,11 +86,11 @@ class Arena:
             self.ptr = 0
 
 
-def layout_for(cfg: CommConfig) -> ArenaLayout:
+def layout_for(cfg: CommConfig) -> ArenaOffsets:
     """The arena layout of ``cfg`` (swap regions sized for 4-byte logits when the
     dtype is not fixed yet)."""
     itemsize = 2 if cfg.logits_dtype in ("bfloat16", "float16") else 4
-    return ArenaLayout(
+    return ArenaOffsets(
         cfg.tp_size, cfg.max_pad_bs, cfg.num_tokens_per_req, cfg.vocab_size, itemsize
     )
 

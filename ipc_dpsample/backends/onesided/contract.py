@@ -17,7 +17,7 @@ from ...protocol import Call, Dtype, Op
 __all__ = [
     "ERROR_BLOCK_SIZE",
     "MAX_SIG_PAD_BS",
-    "ArenaLayout",
+    "ArenaOffsets",
     "DpDesc",
     "DpErrorBlock",
     "pack_signature",
@@ -119,7 +119,7 @@ def unpack_signature(sig: int, n: int = -1) -> Call:
 
 
 @dataclass(frozen=True)
-class ArenaLayout:
+class ArenaOffsets:
     """Byte offsets inside one rank's arena (each computed once: the per-call path
     reads them, and a chain of plain properties cost microseconds per op).
 
