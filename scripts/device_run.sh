@@ -12,7 +12,8 @@ step() {  # step SECONDS LOGFILE COMMAND...
   [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
   local t0=$SECONDS
   echo "### $* (limit ${t}s)" >> "$log"
-  timeout "$t" "$@" >> "$log" 2>&1
+  # STEP_SIGNAL=ABRT with python3 -X faulthandler: a stalled step dumps every thread
+  timeout -s "${STEP_SIGNAL:-TERM}" -k 10 "$t" "$@" >> "$log" 2>&1
   local rc=$?
   echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
   echo "[rc=$rc at ${SECONDS}s] $*"
@@ -28,11 +29,11 @@ IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_GRAPHCOPY:-70}" "$out/graph.log" "${py[@]
 step "${T_BSARGMAX:-200}" "$out/bsargmax.log" "${py[@]}" --timeout 150 tests/test_onesided_bs_argmax_gpu.py
 IPC_DPSAMPLE_GRAPH_SWAP=copy step "${T_BSARGMAX_COPY:-60}" "$out/bsargmax.log" "${py[@]}" --timeout 60 tests/test_onesided_bs_argmax_gpu.py -k "graph or tokenspeed"
 # issue 13 (real rows) and 14 (argmax) tables: tp=8 gated, one GPU
-bench=(python3 -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --baselines copy --iters 20)
-step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --bs 256,192,130,64,8 --dtype fp32 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-fp32
-step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --bs 64,48,33,16,2 --dtype bf16 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-bf16
-step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --dtype fp32 --ops argmax_batch_vocab --out /tmp/i14-fp32
-step "${T_BSBENCH:-70}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --dtype bf16 --ops argmax_batch_vocab --out /tmp/i14-bf16
+bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --baselines copy --iters "${BENCH_ITERS:-15}")
+STEP_SIGNAL=ABRT step "${T_I13:-${T_BSBENCH:-120}}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --bs 256,192,130,64,8 --dtype fp32 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-fp32
+STEP_SIGNAL=ABRT step "${T_I13B:-${T_BSBENCH:-120}}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --bs 64,48,33,16,2 --dtype bf16 --ops swap_batch_vocab --mode eager,graph --out /tmp/i13-bf16
+STEP_SIGNAL=ABRT step "${T_I14:-${T_BSBENCH:-120}}" "$out/bench.log" "${bench[@]}" --pad-bs 256 --dtype fp32 --ops argmax_batch_vocab --out /tmp/i14-fp32
+STEP_SIGNAL=ABRT step "${T_I14B:-${T_BSBENCH:-120}}" "$out/bench.log" "${bench[@]}" --pad-bs 64 --dtype bf16 --ops argmax_batch_vocab --out /tmp/i14-bf16
 step "${T_SETUP:-60}" "$out/misc.log" python3 scripts/profile_setup.py --tp 8 --reps 5
 step "${T_HANG:-0}" "$out/bench.log" python3 scripts/bench_onesided.py --big-only --reps 3 --dump-after 30 --out /tmp/hang
 # swap knobs, big swap only: KNOBS="ctas_per_sm:unroll:fit:streaming:chunk:block ..." (each run its own
@@ -77,6 +78,7 @@ step "${T_DOCTOR:-0}" "$out/misc.log" python3 -m ipc_dpsample doctor
 step "${T_DEMO:-0}" "$out/misc.log" python3 -m ipc_dpsample demo
 step "${T_SWEEP:-0}" "$out/misc.log" python3 -m ipc_dpsample bench --tp 8 --pad-bs 8,64,256 --dtype bf16 --mode eager,graph --iters 20 --warmup 5 --timeout 55 --out /tmp/sweep
 cp /tmp/sweep/bench.csv /tmp/sweep/bench.png "$out/" 2>/dev/null
+ls -d /tmp/i1[34]* >/dev/null 2>&1 && tar czf "$out/bench_i13_i14.tgz" -C /tmp $(cd /tmp && ls -d i1[34]*)
 for f in onesided graph bsargmax nccl reliability; do
   [ -f "$out/$f.log" ] && grep -E '^[0-9]+ (passed|failed)|^=* ?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in ' "$out/$f.log" | sed "s/^/$f: /"
 done

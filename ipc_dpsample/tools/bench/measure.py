@@ -173,11 +173,14 @@ def _progress(total: int, desc: str) -> Any:
 
 
 class _SimpleBar:
-    """Progress on stderr: a redrawn bar on a terminal, a line per tenth in a log."""
+    """Progress on stderr: a redrawn bar on a terminal; in a log, a line per
+    point with what it was and the seconds since the start (a stalled run shows
+    where it stands)."""
 
     def __init__(self, total: int, desc: str, *, tty: bool) -> None:
         self.total, self.desc, self.n, self.tty = max(1, total), desc, 0, tty
-        self._shown = 0
+        self.what = ""
+        self.t0 = time.monotonic()
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -185,13 +188,13 @@ class _SimpleBar:
             done = int(30 * self.n / self.total)
             bar = "#" * done + " " * (30 - done)
             sys.stderr.write(f"\r{self.desc} [{bar}] {self.n}/{self.total}")
-        elif 10 * self.n // self.total > self._shown or self.n == self.total:
-            self._shown = 10 * self.n // self.total
-            sys.stderr.write(f"{self.desc}: {self.n}/{self.total}\n")
+        else:
+            took = time.monotonic() - self.t0
+            sys.stderr.write(f"{self.desc}: {self.n}/{self.total} {self.what} ({took:.1f} s)\n")
         sys.stderr.flush()
 
     def set_postfix_str(self, text: str) -> None:
-        del text
+        self.what = text
 
     def close(self) -> None:
         if self.tty:
