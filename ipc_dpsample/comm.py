@@ -143,6 +143,13 @@ class DpSamplingComm:
         if fallback_comm_backend is not None and built.name != "onesided":
             self._backend_name = "torch"
             self._reason += "; the data moves through fallback_comm_backend"
+        # the torch path over NCCL (or an engine's fallback on CUDA) reports "nccl"
+        over_nccl = getattr(built.backend, "transport", "") == "nccl" or (
+            fallback_comm_backend is not None and self._device >= 0
+        )
+        self._public_name: BackendName = (
+            "nccl" if self._backend_name == "torch" and over_nccl else self._backend_name
+        )
         self._logits_dtype = self.config.logits_dtype
         self._check = ArgChecker(self.config, self._device)
 
@@ -175,12 +182,11 @@ class DpSamplingComm:
     # -- properties ---------------------------------------------------------------
     @property
     def backend(self) -> BackendName:
-        """What moves the data: ``"onesided"`` or ``"nccl"`` for CUDA data (the
-        torch.distributed path over NCCL counts as ``"nccl"``, as in TokenSpeed),
-        ``"torch"`` for CPU data; :meth:`explain` names the exact path."""
-        if self._backend_name == "torch" and self._device >= 0:
-            return "nccl"
-        return self._backend_name
+        """What moves the data: ``"onesided"``, ``"nccl"`` (the torch.distributed
+        path over an NCCL group counts as ``"nccl"``, as in TokenSpeed) or
+        ``"torch"`` (torch.distributed over gloo: CPU data, or CUDA data of ranks
+        sharing a GPU, which NCCL refuses); :meth:`explain` names the exact path."""
+        return self._public_name
 
     @property
     def fast_path_enabled(self) -> bool:

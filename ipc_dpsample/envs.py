@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REGISTRY", "EnvVar", "SwapTuning", "get", "swap_tuning"]
+__all__ = ["REGISTRY", "EnvVar", "OnesidedTuning", "get", "onesided_tuning"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ REGISTRY: dict[str, EnvVar] = {
             "IPC_DPSAMPLE_SWAP_CTAS_PER_SM",
             _int_in(1, 32),
             3,
-            "tuning: swap CTAs per SM (the grid's cap)",
+            "tuning: swap CTAs per SM (the grid's cap; ranks sharing a GPU split it)",
         ),
         EnvVar(
             "IPC_DPSAMPLE_SWAP_UNROLL",
@@ -137,6 +137,12 @@ REGISTRY: dict[str, EnvVar] = {
             _flag,
             False,
             "tuning (compile time): streaming cache hints on the swap's 16-byte moves",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_ARGMAX_UNROLL",
+            _one_of_ints(2, 4, 8),
+            4,
+            "tuning (compile time): 16-byte loads each argmax thread issues before it reduces them",
         ),
         EnvVar(
             "CUDA_DEVICE_MAX_CONNECTIONS",
@@ -188,9 +194,9 @@ def get(name: str) -> Any:
 
 
 @dataclass(frozen=True)
-class SwapTuning:
-    """The one-sided swap's knobs, read once per backend (see BENCHMARKS.md for the
-    measurements behind the defaults)."""
+class OnesidedTuning:
+    """The one-sided kernels' knobs (the swap's, the argmax's unroll), read once per
+    backend (see BENCHMARKS.md for the measurements behind the defaults)."""
 
     block: int
     chunk: int
@@ -199,17 +205,22 @@ class SwapTuning:
     fit: bool
     streaming: bool
     graph_swap: str
+    argmax_unroll: int = 4
 
     @property
     def compile_options(self) -> tuple[str, ...]:
         """nvrtc options of the compile-time knobs."""
-        return (f"-DDP_SWAP_UNROLL={self.unroll}", f"-DDP_SWAP_STREAMING={int(self.streaming)}")
+        return (
+            f"-DDP_SWAP_UNROLL={self.unroll}",
+            f"-DDP_SWAP_STREAMING={int(self.streaming)}",
+            f"-DDP_ARGMAX_UNROLL={self.argmax_unroll}",
+        )
 
 
-def swap_tuning() -> SwapTuning:
-    """The current environment's :class:`SwapTuning` (raises ``ValueError`` on a bad
+def onesided_tuning() -> OnesidedTuning:
+    """The current environment's :class:`OnesidedTuning` (raises ``ValueError`` on a bad
     value)."""
-    return SwapTuning(
+    return OnesidedTuning(
         block=get("IPC_DPSAMPLE_SWAP_BLOCK"),
         chunk=get("IPC_DPSAMPLE_SWAP_CHUNK"),
         ctas_per_sm=get("IPC_DPSAMPLE_SWAP_CTAS_PER_SM"),
@@ -217,4 +228,5 @@ def swap_tuning() -> SwapTuning:
         fit=get("IPC_DPSAMPLE_SWAP_FIT"),
         streaming=get("IPC_DPSAMPLE_SWAP_STREAMING"),
         graph_swap=get("IPC_DPSAMPLE_GRAPH_SWAP"),
+        argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
     )

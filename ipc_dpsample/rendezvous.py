@@ -31,7 +31,7 @@ from .errors import BackendUnavailableError, DpSampleError
 from .group import HostGroup
 from .identity import boot_id, cupy_device_count, gpu_uuid, host_id, nccl_available, p2p_digests
 from .ipc import IPC_RECORD_SIZE, IpcRecord, pack_ipc_record, unpack_ipc_record
-from .select import Facts, combine, onesided_blockers, select_backend
+from .select import Facts, combine, onesided_blockers, ranks_on_gpu, select_backend
 
 __all__ = ["Built", "build_backend", "setup_timeout"]
 
@@ -145,7 +145,7 @@ def build_backend(
     if valid and device >= 0 and requested in ("auto", "onesided"):
         if not onesided_blockers(facts_local):
             try:
-                tuning = envs.swap_tuning()
+                tuning = envs.onesided_tuning()
             except ValueError as exc:
                 local_error = exc
                 mine = local_record(raw, dtype, requested, device, f"ValueError: {exc}")
@@ -182,7 +182,10 @@ def build_backend(
                     facts = _with_ipc(facts, True, "")
                     name, reason = select_backend(facts)
                     single = bool(envs.get("IPC_DPSAMPLE_TEST_SINGLE_BUFFER"))
-                    backend = onesided.OnesidedBackend(cfg, group, device, conn, tuning, single)
+                    share = ranks_on_gpu(records, cfg.rank)
+                    backend = onesided.OnesidedBackend(
+                        cfg, group, device, conn, tuning, single, gpu_share=share
+                    )
                     return Built(name, reason, backend, records)
                 arena = None  # connect tore it down
         else:

@@ -332,8 +332,8 @@ __device__ __forceinline__ ArgmaxPartial argmax_state_partial(const ArgmaxState&
 // smem_f: 2 * blockDim.x floats, smem_u: blockDim.x unsigned, free on entry and
 // on return. limit_cols == 0 gives argmax_empty(). The row is read once: a scalar
 // head up to 16-byte alignment, 16-byte vectors (DP_ARGMAX_UNROLL in flight per
-// thread), a scalar tail; a row whose address is not even element-aligned is read
-// with scalars only.
+// thread, the last round predicated), a scalar tail; a row whose address is not
+// even element-aligned is read with scalars only.
 template <typename Tag>
 __device__ __forceinline__ ArgmaxPartial argmax_row_partial(const typename Tag::Storage* row,
                                                             unsigned ncols, unsigned col0,
@@ -361,29 +361,37 @@ __device__ __forceinline__ ArgmaxPartial argmax_row_partial(const typename Tag::
   argmax_state_init(st);
   // Per thread, columns only increase: head, then vectors t, t+nt, ..., then tail.
   for (unsigned c = t; c < head; c += nt) argmax_push(st, argmax_load1<Tag>(row + c), c);
-  unsigned v = t;
-  for (; v + (U - 1) * nt < nvec; v += U * nt) {
+  // Rounds of U vectors per thread, every load of a round issued before any is
+  // used; the last round is partial (predicated loads), so a row costs
+  // ceil(nvec / (U * nt)) memory latencies, not one more per leftover vector.
+  for (unsigned v = t; v < nvec; v += U * nt) {
     ArgmaxVec16 raw[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) raw[u] = argmax_load16(vecs + v + u * nt);
-    float x[U * K];
-    unsigned cols[U * K];
+    for (int u = 0; u < U; ++u)
+      if (v + u * nt < nvec) raw[u] = argmax_load16(vecs + v + u * nt);
+    if (v + (U - 1) * nt < nvec) {
+      float x[U * K];
+      unsigned cols[U * K];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      ArgmaxUnpack<Tag>::run(raw[u], x + u * K);
+      for (int u = 0; u < U; ++u) {
+        ArgmaxUnpack<Tag>::run(raw[u], x + u * K);
 #pragma unroll
-      for (int j = 0; j < K; ++j) cols[u * K + j] = head + (v + u * nt) * K + j;
+        for (int j = 0; j < K; ++j) cols[u * K + j] = head + (v + u * nt) * K + j;
+      }
+      argmax_push_chunk<U * K>(st, x, cols);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (v + u * nt < nvec) {
+          float x[K];
+          unsigned cols[K];
+          ArgmaxUnpack<Tag>::run(raw[u], x);
+#pragma unroll
+          for (int j = 0; j < K; ++j) cols[j] = head + (v + u * nt) * K + j;
+          argmax_push_chunk<K>(st, x, cols);
+        }
+      }
     }
-    argmax_push_chunk<U * K>(st, x, cols);
-  }
-  for (; v < nvec; v += nt) {
-    const ArgmaxVec16 raw = argmax_load16(vecs + v);
-    float x[K];
-    unsigned cols[K];
-    ArgmaxUnpack<Tag>::run(raw, x);
-#pragma unroll
-    for (int j = 0; j < K; ++j) cols[j] = head + v * K + j;
-    argmax_push_chunk<K>(st, x, cols);
   }
   for (unsigned c = body_end + t; c < limit; c += nt)
     argmax_push(st, argmax_load1<Tag>(row + c), c);

@@ -53,15 +53,24 @@ def test_bad_values_name_the_variable_and_what_it_accepts(
         envs.get(name)
 
 
-def test_swap_tuning_reads_the_environment_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IPC_DPSAMPLE_SWAP_UNROLL", "8")
     monkeypatch.setenv("IPC_DPSAMPLE_SWAP_STREAMING", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_GRAPH_SWAP", "COPY")
-    tun = envs.swap_tuning()
+    monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "8")
+    tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
-    assert tun.compile_options == ("-DDP_SWAP_UNROLL=8", "-DDP_SWAP_STREAMING=1")
+    assert tun.compile_options == (
+        "-DDP_SWAP_UNROLL=8",
+        "-DDP_SWAP_STREAMING=1",
+        "-DDP_ARGMAX_UNROLL=8",
+    )
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
-    assert envs.swap_tuning().unroll == 4
+    monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
+    with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):
+        envs.onesided_tuning()
+    monkeypatch.delenv("IPC_DPSAMPLE_ARGMAX_UNROLL")
+    assert (envs.onesided_tuning().unroll, envs.onesided_tuning().argmax_unroll) == (4, 4)
 
 
 def test_importing_the_package_reads_no_tuning_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -281,9 +281,9 @@ def test_failure_injection_hook(monkeypatch):
 
 def test_swap_block_fits_the_chunk_to_one_round_of_loads() -> None:
     from ipc_dpsample.backends.onesided import swap_block
-    from ipc_dpsample.envs import SwapTuning
+    from ipc_dpsample.envs import OnesidedTuning
 
-    tun = SwapTuning(512, 32768, 3, 4, True, False, "barrier")
+    tun = OnesidedTuning(512, 32768, 3, 4, True, False, "barrier")
     # V=152064 fp32 at tp=8: 76032-byte row shards in three 25344-byte chunks = 1584
     # 16-byte vectors; 13 warps x 32 lanes x 4 loads = 1664 slots (95 % busy), where
     # 512 threads would give 2048 (77 %)
@@ -296,5 +296,5 @@ def test_swap_block_fits_the_chunk_to_one_round_of_loads() -> None:
         b = swap_block(chunk, 2, tun)
         assert b % 32 == 0 and b * 4 * 16 >= min(chunk, 512 * 64)
         assert b == 32 or (b - 32) * 4 * 16 < chunk  # the fewest warps that suffice
-    no_fit = SwapTuning(256, 32768, 3, 4, False, False, "barrier")
+    no_fit = OnesidedTuning(256, 32768, 3, 4, False, False, "barrier")
     assert swap_block(16, 8, no_fit) == 256

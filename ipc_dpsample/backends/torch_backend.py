@@ -117,11 +117,11 @@ class TorchBackend(TorchPlans, Backend):
         self._seq = 0
         self._pg: Any = None
         self._key = ""
+        # NCCL refuses two ranks on one GPU: such ranks' CUDA tensors go over gloo
+        self.transport = "gloo" if device.type == "cpu" or shared_gpu else "nccl"
         if self._tp > 1:
-            # NCCL refuses two ranks on one GPU: such ranks' CUDA tensors go over gloo
-            transport = "gloo" if device.type == "cpu" or shared_gpu else "nccl"
             self._pg, self._key = group.dedicated_process_group(
-                device.type, cfg.timeout_s, transport
+                device.type, cfg.timeout_s, self.transport
             )
         kw: dict[str, Any] = {"device": device}
         n, rmax, peers = self._n, self._rmax, max(self._tp - 1, 1)
