@@ -117,7 +117,7 @@ REGISTRY: dict[str, EnvVar] = {
             "IPC_DPSAMPLE_SWAP_CTAS_PER_SM",
             _int_in(1, 32),
             3,
-            "tuning: swap CTAs per SM (the grid's cap; ranks sharing a GPU split it)",
+            "tuning: swap CTAs per SM (the grid's cap)",
         ),
         EnvVar(
             "IPC_DPSAMPLE_SWAP_UNROLL",
@@ -140,8 +140,8 @@ REGISTRY: dict[str, EnvVar] = {
         ),
         EnvVar(
             "IPC_DPSAMPLE_ARGMAX_UNROLL",
-            _one_of_ints(2, 4, 8),
-            4,
+            _one_of_ints(1, 2, 4, 8),
+            2,
             "tuning (compile time): 16-byte loads each argmax thread issues before it reduces them",
         ),
         EnvVar(
@@ -205,7 +205,7 @@ class OnesidedTuning:
     fit: bool
     streaming: bool
     graph_swap: str
-    argmax_unroll: int = 4
+    argmax_unroll: int = 2
 
     @property
     def compile_options(self) -> tuple[str, ...]:

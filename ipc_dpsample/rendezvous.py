@@ -31,7 +31,7 @@ from .errors import BackendUnavailableError, DpSampleError
 from .group import HostGroup
 from .identity import boot_id, cupy_device_count, gpu_uuid, host_id, nccl_available, p2p_digests
 from .ipc import IPC_RECORD_SIZE, IpcRecord, pack_ipc_record, unpack_ipc_record
-from .select import Facts, combine, onesided_blockers, ranks_on_gpu, select_backend
+from .select import Facts, combine, onesided_blockers, select_backend
 
 __all__ = ["Built", "build_backend", "setup_timeout"]
 
@@ -182,10 +182,7 @@ def build_backend(
                     facts = _with_ipc(facts, True, "")
                     name, reason = select_backend(facts)
                     single = bool(envs.get("IPC_DPSAMPLE_TEST_SINGLE_BUFFER"))
-                    share = ranks_on_gpu(records, cfg.rank)
-                    backend = onesided.OnesidedBackend(
-                        cfg, group, device, conn, tuning, single, gpu_share=share
-                    )
+                    backend = onesided.OnesidedBackend(cfg, group, device, conn, tuning, single)
                     return Built(name, reason, backend, records)
                 arena = None  # connect tore it down
         else:

@@ -14,14 +14,7 @@ from dataclasses import dataclass
 from .config import BackendName, PeerRecord, RequestedBackend, gpu_digest
 from .errors import BackendUnavailableError
 
-__all__ = [
-    "Facts",
-    "combine",
-    "gpu_sharing_ranks",
-    "onesided_blockers",
-    "ranks_on_gpu",
-    "select_backend",
-]
+__all__ = ["Facts", "combine", "gpu_sharing_ranks", "onesided_blockers", "select_backend"]
 
 
 @dataclass(frozen=True)
@@ -98,17 +91,6 @@ def gpu_sharing_ranks(records: Sequence[PeerRecord]) -> int:
     UUID is unknown ("") are not counted (no evidence that they share)."""
     known = [(r.host_id, r.boot_id, r.gpu_uuid) for r in records if r.gpu_uuid]
     return len(known) - len(set(known))
-
-
-def ranks_on_gpu(records: Sequence[PeerRecord], rank: int) -> int:
-    """How many ranks (``rank`` included) run on ``rank``'s GPU: those with its
-    (host, boot, GPU UUID); 1 when its UUID is unknown. They share its SMs, so each
-    launches that fraction of a grid sized for a whole GPU."""
-    me = records[rank]
-    if not me.gpu_uuid:
-        return 1
-    key = (me.host_id, me.boot_id, me.gpu_uuid)
-    return sum((r.host_id, r.boot_id, r.gpu_uuid) == key for r in records)
 
 
 def combine(

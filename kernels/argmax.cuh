@@ -21,10 +21,10 @@
 #pragma once
 
 #ifndef DP_ARGMAX_UNROLL
-// 16-byte loads each thread keeps in flight before it uses any of them: with one
-// CTA per row and a row of ~38 KB (V/tp bf16), 256 threads x 4 x 16 B cover a
-// whole row in one or two rounds, enough outstanding bytes to run near HBM speed.
-#define DP_ARGMAX_UNROLL 4
+// 16-byte loads each thread issues before it reduces them (IPC_DPSAMPLE_ARGMAX_UNROLL).
+// 2 measured fastest on an H200 (BENCHMARKS.md): fewer registers, more resident
+// CTAs, and it is those that keep enough bytes in flight.
+#define DP_ARGMAX_UNROLL 2
 #endif
 
 // "no column": loses every tie (idx is compared as unsigned).

@@ -129,6 +129,14 @@ __device__ __forceinline__ u32 dp_real_reqs(u32 bs, u32 r, u32 R) {
   return c <= 0 ? 0u : (c >= (i64)R ? R : (u32)c);
 }
 
+// CTAs of this launch that take part in an op with `work` items (tiles, rows) handed
+// out blockIdx-first: min(gridDim.x, work), at least 1 (CTA 0 signals even with no
+// work). The others return before touching the op's counter.
+__device__ __forceinline__ u32 dp_active_ctas(u64 work) {
+  if (work == 0) return 1u;
+  return work < (u64)gridDim.x ? (u32)work : gridDim.x;
+}
+
 // Record the first error of this rank (one writer: whoever claims the broken word)
 // and mark the communicator broken so later launches do nothing.
 __device__ void dp_report(const DpDesc& d, u32 code, u32 peer, u32 sig, u32 expected, u64 seen) {

@@ -156,6 +156,11 @@ extern "C" __global__ void dp_swap_push(
   const u64 off = region_off + (u64)(parity & data_parity_mask) * d.swap_region_bytes;
   const u64 rows_per_dest = (u64)(pad_bs / d.tp) * d.n;
   const u64 real_rows = (u64)bs * d.n;
+  // CTAs beyond the real tiles leave at once and are not counted: a grid sized for
+  // pad_bs (a captured graph's) then costs little more at a small bs than one
+  // sized for it. CTA 0 always stays (with bs = 0 it alone signals).
+  const u32 active = dp_active_ctas(real_rows * (u64)chunks_per_row);
+  if (blockIdx.x >= active) return;
 
   bool moved = false;
   if (real_rows * (u64)chunks_per_row <= 0xffffffffull)
@@ -170,7 +175,7 @@ extern "C" __global__ void dp_swap_push(
   if (threadIdx.x == 0) {
     if (moved) fence_sys();  // a CTA that stored nothing has nothing to publish
     const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
-    last = (prev == gridDim.x - 1) ? 1u : 0u;
+    last = (prev == active - 1) ? 1u : 0u;
   }
   __syncthreads();
   if (!last) return;
@@ -361,6 +366,8 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
   const u32 full_sig = (u32)sig | bs;
   const u32 R = (u32)(pad_bs / d.tp), rpd = R * d.n;
   const u32 limit = (u32)vocab_limit;
+  const u32 active = dp_active_ctas((u64)bs * d.n);  // one row per CTA at most: see dp_swap_push
+  if (blockIdx.x >= active) return;
   if (dtype_code == 1)
     argmax_push_rows<ArgmaxBf16>(d, src_ptr, bs * d.n, rpd, (u32)ncols, limit, dparity, tag);
   else if (dtype_code == 2)
@@ -373,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
   __syncthreads();
   if (threadIdx.x == 0) {
     const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
-    last = (prev == gridDim.x - 1) ? 1u : 0u;
+    last = (prev == active - 1) ? 1u : 0u;
   }
   __syncthreads();
   if (!last) return;

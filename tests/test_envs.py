@@ -70,7 +70,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):
         envs.onesided_tuning()
     monkeypatch.delenv("IPC_DPSAMPLE_ARGMAX_UNROLL")
-    assert (envs.onesided_tuning().unroll, envs.onesided_tuning().argmax_unroll) == (4, 4)
+    assert (envs.onesided_tuning().unroll, envs.onesided_tuning().argmax_unroll) == (4, 2)
 
 
 def test_importing_the_package_reads_no_tuning_variable(monkeypatch: pytest.MonkeyPatch) -> None:

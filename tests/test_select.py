@@ -186,20 +186,6 @@ def test_gpu_sharing_ranks_counts_repeated_gpus_only() -> None:
     assert _gpu_sharing_ranks([rec("h", ""), rec("h", "")]) == 0  # unknown: no evidence
 
 
-def test_ranks_on_gpu_counts_the_ranks_that_share_its_sms() -> None:
-    from types import SimpleNamespace
-
-    from ipc_dpsample.select import ranks_on_gpu
-
-    def rec(host: str, gpu: str) -> Any:
-        return SimpleNamespace(host_id=host, boot_id="b", gpu_uuid=gpu)
-
-    box = [rec("h", "GPU-a"), rec("h", "GPU-b"), rec("h", "GPU-a"), rec("h2", "GPU-a")]
-    assert [ranks_on_gpu(box, r) for r in range(4)] == [2, 1, 2, 1]
-    assert [ranks_on_gpu([rec("h", "GPU-a")] * 8, r) for r in (0, 7)] == [8, 8]
-    assert ranks_on_gpu([rec("h", ""), rec("h", "")], 1) == 1  # unknown: its own GPU
-
-
 def test_select_is_pure() -> None:
     f = _facts(hosts=2)
     assert select_backend(f) == select_backend(f)

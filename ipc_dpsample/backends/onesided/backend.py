@@ -98,7 +98,6 @@ class OnesidedBackend(Backend):
         conn: Connection,
         tuning: OnesidedTuning,
         single_buffer: bool = False,
-        gpu_share: int = 1,
     ):
         import cupy
 
@@ -123,10 +122,7 @@ class OnesidedBackend(Backend):
         # and never while a peer's kernel spins (loading may synchronise the context)
         for kernel in self._kernels.values():
             _ = kernel.max_threads_per_block
-        # ranks sharing this GPU share its SMs: each rank's grids get its part of them
-        # (8 ranks on one GPU launch, together, the grid one rank per GPU launches)
         self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-        self._gpu_share = max(1, gpu_share)
         self._err = DpErrorBlock.from_address(self.arena.err_host)
         self._err_code = ctypes.c_uint32.from_address(self.arena.err_host)
         self._error: DpSampleError | None = None
@@ -192,10 +188,6 @@ class OnesidedBackend(Backend):
     def _sig(self, op: Op, dtype: str, pad_bs: int, graph: bool = False) -> int:
         return pack_signature(op, Dtype.of(dtype), pad_bs, graph)
 
-    def _grid_cap(self, ctas_per_sm: int) -> int:
-        """Most CTAs of one launch: ``ctas_per_sm`` per SM of this rank's part of the GPU."""
-        return max(1, self._sm_count * ctas_per_sm // self._gpu_share)
-
     def _launch(self, name: str, grid: int, block: int, args: tuple[int | bytes, ...], n_var: int):
         return PreparedLaunch(self._kernels[name], self.device, grid, block, args, n_var)
 
@@ -212,7 +204,7 @@ class OnesidedBackend(Backend):
         shard_bytes = cfg.vocab_size // cfg.tp_size * itemsize
         chunks = max(1, -(-shard_bytes // tun.chunk))
         chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
-        grid = max(1, min(cfg.tp_size * rows * chunks, self._grid_cap(tun.ctas_per_sm)))
+        grid = max(1, min(cfg.tp_size * rows * chunks, self._sm_count * tun.ctas_per_sm))
         block = swap_block(chunk_bytes, cfg.tp_size, tun)
 
         def push(region_off: int, parity_mask: int, graph: bool) -> PreparedLaunch:
@@ -338,7 +330,7 @@ class OnesidedBackend(Backend):
         if launch is None:
             sig = self._sig(Op.ARGMAX, dtype, pad_bs)
             rows = pad_bs * cfg.num_tokens_per_req
-            grid = max(1, min(rows, self._grid_cap(ARGMAX_CTAS_PER_SM)))
+            grid = max(1, min(rows, self._sm_count * ARGMAX_CTAS_PER_SM))
             vs = cfg.vocab_size // cfg.tp_size
             args = (0, 0, 0, self._desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig)
             launch = self._launch("dp_argmax", grid, ARGMAX_BLOCK, args, 3)
