@@ -334,12 +334,16 @@ def test_bench_without_matplotlib_writes_csv_json_and_says_how(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     rows = _rows()
     monkeypatch.setattr(bench, "run_launch", lambda cfg, lp: (rows, ""))
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
     cfg = bench.BenchConfig(tp=(2,), pad_bs=(8, 64), out=str(tmp_path / "out"), cpu=True)
     assert bench.run_bench(cfg, CPU_BOX) == 0
     captured = capsys.readouterr()
     assert (tmp_path / "out" / "bench.csv").exists()
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(doc["rows"]) == len(rows)
+    # where a figure came from: the commit (GIT_COMMIT wins over git) and the GPU
+    assert doc["meta"]["commit"] == "abc1234" and "gpu" in doc["meta"]
+    assert "commit abc1234" in captured.out
     assert not (tmp_path / "out" / "bench.png").exists()
     assert "pip install 'ipc-dpsample[bench]'" in captured.err
     assert "bench.csv" in captured.out and "bench.png" not in captured.out

@@ -175,6 +175,8 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     plans = plan_launches(cfg, machine)
+    commit, gpu = _commit(), machine_gpu_name()
+    print(f"# ipc-dpsample bench: {started[:19]} UTC, commit {commit}, GPU {gpu}", flush=True)
     for lp in plans:
         print(
             f"\n== tp={lp.tp}: {lp.launch} on {lp.device}"
@@ -201,6 +203,8 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "host": os.uname().nodename,
         "versions": _versions(),
+        "commit": commit,
+        "gpu": gpu,
         "errors": errors,
         "ratio_definition": "vs_<baseline> = baseline median / median (above 1: faster)",
     }
@@ -230,6 +234,38 @@ def _versions() -> dict[str, str | None]:
         except Exception:
             v[mod] = None
     return v
+
+
+def _commit() -> str | None:
+    """The package's git commit: ``GIT_COMMIT`` when set (a tree copied without
+    ``.git``), else ``git rev-parse`` of the checkout; None when neither works."""
+    env = os.environ.get("GIT_COMMIT", "").strip()
+    if env:
+        return env
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def machine_gpu_name() -> str | None:
+    """Name of CUDA device 0 (torch), None without one."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 def run(ns: argparse.Namespace) -> int:
