@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -988,6 +989,18 @@ def test_tp1_swap_cupy_graph_with_device_bs() -> None:
             np.testing.assert_array_equal(got[:real], case.swap_expected(inputs, pad_bs)[:real])
             assert (got[real:] == _bits(cupy.full((1,), np.nan, dtype=np.float16))[0]).all()
         ops.check()
+        # NCCL keeps a communicator until every graph that captured its ops is
+        # destroyed: with `graph` alive, close() must return (bounded, warning) and
+        # the destroy finish once the graph goes (it hung close() on the H200)
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="still held by CUDA graphs"):
+            ops.close()
+        assert time.monotonic() - t0 < 10
+        pending = ops.backend.pending_destroy
+        assert pending is not None
+        del graph
+        pending.join(30)
+        assert not pending.is_alive(), "the NCCL destroy did not finish after the graph went"
     finally:
         ops.close()
 

@@ -5,6 +5,8 @@ error, none may hang)."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -118,3 +120,55 @@ def test_run_threads_reports_failures() -> None:
 
     with pytest.raises(RankFailure, match=r"boom 1"):
         run_threads(2, body, timeout_s=30)
+
+
+class _BlockingComm:
+    """A communicator whose destroy blocks until ``released`` is set, as NCCL's does
+    while a CUDA graph that captured its ops is alive."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.calls: list[str] = []
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+        self.released.wait(30)
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self.released.wait(30)
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_close_after_capture_does_not_wait_for_live_graphs(
+    monkeypatch: pytest.MonkeyPatch, abort: bool
+) -> None:
+    """NCCL's destroy (and abort) wait for every CUDA graph that captured an op of the
+    communicator; seen hanging close() on the H200. After a capture close() waits a
+    bounded time, warns, and the destroy completes once the graphs are gone."""
+    monkeypatch.setattr(nccl_setup, "CAPTURED_DESTROY_WAIT_S", 0.2)
+    setup = nccl_setup.NcclSetup()
+    setup.rank, setup.device, setup._captured = 0, 0, True
+    comm = _BlockingComm()
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="still held by CUDA graphs"):
+        setup._end_communicator(comm, abort, None)
+    assert time.monotonic() - t0 < 5
+    worker = setup.pending_destroy
+    assert worker is not None and worker.is_alive()
+    assert comm.calls == ["abort" if abort else "destroy"]
+    comm.released.set()  # the graphs are destroyed
+    worker.join(5)
+    assert not worker.is_alive()
+
+
+def test_close_without_capture_destroys_in_the_calling_thread() -> None:
+    setup = nccl_setup.NcclSetup()
+    setup.rank, setup.device = 0, 0
+    comm = _BlockingComm()
+    comm.released.set()
+    main = threading.current_thread()
+    seen: list[threading.Thread] = []
+    comm.destroy = lambda: seen.append(threading.current_thread())  # type: ignore[method-assign]
+    setup._end_communicator(comm, False, None)
+    assert seen == [main] and setup.pending_destroy is None

@@ -130,6 +130,8 @@ class NcclBackend(NcclSetup, Backend):
         handle = resolve_stream(kind, stream, self.device)
         assert self._guard is not None
         capturing = self._guard.begin(handle)
+        if capturing:
+            self._captured = True  # close() must not wait on NCCL for live graphs
         prev = self._runtime.getDevice()
         if prev != self.device:
             self._runtime.setDevice(self.device)

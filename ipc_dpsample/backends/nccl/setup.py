@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 import warnings
 from typing import Any
 
@@ -46,9 +47,19 @@ __all__ = ["NcclSetup"]
 _SETUP_TIMEOUT_S = 60.0
 
 
+#: How long ``close()`` waits for the destroy of a communicator whose ops were
+#: captured into CUDA graphs (NCCL holds it until those graphs are destroyed).
+CAPTURED_DESTROY_WAIT_S = 2.0
+
+
 class NcclSetup:
     """The resource half of :class:`~.backend.NcclBackend` (a mixin: the attributes
     below are set by its constructor before :meth:`_set_up` runs)."""
+
+    #: set once an op ran inside a CUDA stream capture
+    _captured: bool = False
+    #: the thread still destroying the communicator after close() returned, if any
+    pending_destroy: threading.Thread | None = None
 
     cfg: CommConfig
     group: HostGroup
@@ -204,18 +215,47 @@ class NcclSetup:
                 except TypeError:
                     raise first from None
 
-    def _release(self, abort: bool = False) -> None:
-        """Destroy (or abort) the communicator and free every buffer; idempotent."""
-        self._closed = True
-        comm, self._comm = self._comm, None
-        cupy = getattr(self, "_cupy", None)
-        if comm is not None:
+    def _end_communicator(self, comm: Any, abort: bool, cupy: Any) -> None:
+        """``ncclCommDestroy`` (or abort). NCCL makes it wait until every CUDA graph
+        that captured an op of this communicator is destroyed, so once ops were
+        captured it runs on a daemon thread (CuPy releases the GIL in it) and
+        close() waits at most :data:`CAPTURED_DESTROY_WAIT_S`; past that it warns and
+        the destroy completes when the last such graph goes."""
+
+        def end() -> None:
             ctx = cupy.cuda.Device(self.device) if cupy is not None else contextlib.nullcontext()
             with ctx:
                 if abort:
                     comm.abort()
                 else:
                     comm.destroy()
+
+        if not self._captured:
+            end()
+            return
+        worker = threading.Thread(
+            target=end, name=f"ipc_dpsample-nccl-destroy-rank{self.rank}", daemon=True
+        )
+        worker.start()
+        worker.join(CAPTURED_DESTROY_WAIT_S)
+        if worker.is_alive():
+            self.pending_destroy = worker
+            warnings.warn(
+                f"ipc_dpsample: rank {self.rank}: the NCCL communicator is still held by "
+                "CUDA graphs that captured its ops (NCCL destroys it only after they are "
+                "destroyed); close() returns now and the destroy finishes in the background "
+                "once those graphs are gone. Drop the graphs before close() to free it at once.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _release(self, abort: bool = False) -> None:
+        """Destroy (or abort) the communicator and free every buffer; idempotent."""
+        self._closed = True
+        comm, self._comm = self._comm, None
+        cupy = getattr(self, "_cupy", None)
+        if comm is not None:
+            self._end_communicator(comm, abort, cupy)
         self._views.clear()
         for plans in self._plans:
             plans.clear()
