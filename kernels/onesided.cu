@@ -156,9 +156,10 @@ extern "C" __global__ void dp_swap_push(
   const u64 off = region_off + (u64)(parity & data_parity_mask) * d.swap_region_bytes;
   const u64 rows_per_dest = (u64)(pad_bs / d.tp) * d.n;
   const u64 real_rows = (u64)bs * d.n;
-  // CTAs beyond the real tiles leave at once and are not counted: a grid sized for
-  // pad_bs (a captured graph's) then costs little more at a small bs than one
-  // sized for it. CTA 0 always stays (with bs = 0 it alone signals).
+  // CTAs beyond the real tiles leave at once and are not counted: with a grid sized
+  // for pad_bs (a captured graph's) phantom rows cost no fence or atomic, only the
+  // launch of those CTAs (BENCHMARKS.md measures what that leaves at a small bs).
+  // CTA 0 always stays (with bs = 0 it alone signals).
   const u32 active = dp_active_ctas(real_rows * (u64)chunks_per_row);
   if (blockIdx.x >= active) return;
 
