@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -347,3 +348,22 @@ def test_bench_without_matplotlib_writes_csv_json_and_says_how(
     assert not (tmp_path / "out" / "bench.png").exists()
     assert "pip install 'ipc-dpsample[bench]'" in captured.err
     assert "bench.csv" in captured.out and "bench.png" not in captured.out
+
+
+def test_progress_in_a_log_is_a_line_per_point_with_what_and_when(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A stalled device run must show which point it stands on: in a log (no
+    terminal) every finished point prints its name and the seconds since start."""
+    from ipc_dpsample.tools.bench.measure import _SimpleBar
+
+    bar = _SimpleBar(3, "tp=8 threads cuda", tty=False)
+    for what in ("onesided swap bs=256 eager", "onesided swap bs=8 eager"):
+        bar.set_postfix_str(what)
+        bar.update()
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2
+    first = r"tp=8 threads cuda: 1/3 onesided swap bs=256 eager \(\d+\.\d s\)"
+    assert re.fullmatch(first, lines[0])
+    assert lines[1].startswith("tp=8 threads cuda: 2/3 onesided swap bs=8 eager (")
