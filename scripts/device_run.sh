@@ -63,8 +63,8 @@ fi
 step "${T_BENCH:-100}" "$out/bench.log" python3 scripts/bench_onesided.py --out "$out" ${BENCH_ARGS:-}
 step "${T_PROFILE:-0}" "$out/bench.log" python3 scripts/profile_host.py
 # the thread method: a test stuck inside NCCL (C code) still gets its stacks dumped
-step "${T_NCCL:-0}" "$out/nccl.log" "${py[@]}" --timeout 40 --timeout-method=thread tests/test_nccl_gpu.py
-step "${T_RELIABILITY:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py -k "not dead_peer"
+step "${T_NCCL:-90}" "$out/nccl.log" "${py[@]}" --timeout 40 --timeout-method=thread tests/test_nccl_gpu.py
+step "${T_RELIABILITY:-90}" "$out/reliability.log" "${py[@]}" -s --timeout 180 --basetemp=/tmp/rel tests/test_reliability_gpu.py -k "not dead_peer"
 IPC_DPSAMPLE_RELIABILITY_OUT=$out/kill IPC_DPSAMPLE_KILL_TRIALS=${KILL_TRIALS:-20} step "${T_KILL:-0}" "$out/reliability.log" "${py[@]}" -s --timeout 900 --basetemp=/tmp/rel tests/test_reliability_gpu.py -k dead_peer
 for f in $(find /tmp/rel -name "*.startup-error" 2>/dev/null | head -1) $(find /tmp/rel -name "pair*.log" 2>/dev/null | head -1); do
   echo "== $f" >> "$out/reliability.log"; tail -25 "$f" >> "$out/reliability.log"
