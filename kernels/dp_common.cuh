@@ -108,11 +108,6 @@ __device__ __forceinline__ bool dp_broken(const DpDesc& d) {
   return ((volatile u32*)dp_ctrl(d))[DP_CTRL_BROKEN] != 0u;
 }
 
-// The epoch of the op being issued (ops completed + 1).
-__device__ __forceinline__ u32 dp_next_epoch(const DpDesc& d) {
-  return ((volatile u32*)dp_ctrl(d))[DP_CTRL_EPOCH] + 1u;
-}
-
 // The number of real requests: the caller's device int32 when bs_ptr is set (read
 // when the kernel runs, so a CUDA-graph replay sees the value written before it),
 // else bs_host; clamped to [0, pad_bs].
@@ -121,6 +116,31 @@ __device__ __forceinline__ u32 dp_real_bs(u64 bs_ptr, i64 bs_host, i64 pad_bs) {
   if (bs < 0) bs = 0;
   if (bs > pad_bs) bs = pad_bs;
   return (u32)bs;
+}
+
+// What an op kernel starts from. The ctrl words and the caller's bs are loaded back
+// to back, with no branch between the loads, so they cost one memory round trip
+// instead of one each (a small op's time is mostly such round trips).
+struct DpOpStart {
+  u32 e;         // this op's epoch: ops completed + 1
+  u32 parity;    // e & 1: the flag words (and ping-pong regions) of this op
+  u32 bs;        // real requests (dp_real_bs)
+  u32 sig;       // the host's signature with bs added: what the flags carry
+  bool broken;   // an earlier error: the kernel must do nothing
+};
+
+__device__ __forceinline__ DpOpStart dp_op_start(const DpDesc& d, u64 bs_ptr, i64 bs_host,
+                                                 i64 pad_bs, u64 sig) {
+  const volatile u32* c = (const volatile u32*)dp_ctrl(d);
+  const u32 done = c[DP_CTRL_EPOCH];
+  const u32 broken = c[DP_CTRL_BROKEN];
+  DpOpStart s;
+  s.bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  s.e = done + 1u;
+  s.parity = s.e & 1u;
+  s.sig = (u32)sig | s.bs;
+  s.broken = broken != 0u;
+  return s;
 }
 
 // Real requests among rank r's R: clamp(bs - r*R, 0, R).

@@ -148,20 +148,18 @@ extern "C" __global__ void dp_swap_push(
                            // output, where dp_swap_enter ran first; or the race test hook)
 {
   u32* ctrl = dp_ctrl(d);
-  if (dp_broken(d)) return;
-  const u32 e = dp_next_epoch(d);
-  const u32 parity = e & 1u;
-  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
-  const u32 full_sig = (u32)sig | bs;
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  const u32 e = s.e, parity = s.parity, full_sig = s.sig;
   const u64 off = region_off + (u64)(parity & data_parity_mask) * d.swap_region_bytes;
   const u64 rows_per_dest = (u64)(pad_bs / d.tp) * d.n;
-  const u64 real_rows = (u64)bs * d.n;
-  // CTAs beyond the real tiles leave at once and are not counted: with a grid sized
-  // for pad_bs (a captured graph's) phantom rows cost no fence or atomic, only the
-  // launch of those CTAs (BENCHMARKS.md measures what that leaves at a small bs).
-  // CTA 0 always stays (with bs = 0 it alone signals).
+  const u64 real_rows = (u64)s.bs * d.n;
+  // CTAs beyond the real tiles leave at once and are not counted: phantom rows cost
+  // no fence or atomic. The host sizes the grid to the real tiles when bs is a host
+  // int; a device bs keeps the pad_bs grid of the capture, whose extra CTAs cost
+  // their launch and the one round trip of dp_op_start. CTA 0 always stays (with
+  // bs = 0 it alone signals).
   const u32 active = dp_active_ctas(real_rows * (u64)chunks_per_row);
-  if (blockIdx.x >= active) return;
+  if (s.broken || blockIdx.x >= active) return;
 
   bool moved = false;
   if (real_rows * (u64)chunks_per_row <= 0xffffffffull)
@@ -202,9 +200,10 @@ extern "C" __global__ void dp_swap_push(
 // reads. Moves the output's bytes once more; needs no barrier.
 extern "C" __global__ void dp_swap_copy_out(u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
                                             i64 row_bytes, u64 data_parity_mask) {
-  if (dp_broken(d)) return;
-  const u32 e = ((volatile const u32*)dp_ctrl(d))[DP_CTRL_EPOCH];
-  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, 0);
+  if (s.broken) return;
+  const u32 e = s.e - 1u;  // the push that just finished
+  const u32 bs = s.bs;
   const u32 R = (u32)(pad_bs / d.tp);
   const u64 nbytes = (u64)dp_real_reqs(bs, d.rank, R) * d.n * (u64)row_bytes;
   const char* src = (const char*)(d.base + d.swap_off +
@@ -228,12 +227,10 @@ extern "C" __global__ void dp_swap_copy_out(u64 bs_ptr, i64 bs_host, DpDesc d, i
 // flags[e&1] without a barrier) is a call-sequence mismatch, reported as such.
 extern "C" __global__ void dp_swap_enter(u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
                                          u64 sig) {
-  if (dp_broken(d)) return;
-  const u32 e = dp_next_epoch(d);
-  const u32 parity = e & 1u;
-  const u32 full_sig = (u32)sig | dp_real_bs(bs_ptr, bs_host, pad_bs);
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  const u32 e = s.e, parity = s.parity, full_sig = s.sig;
   const u32 t = threadIdx.x;
-  if (t >= d.tp) return;
+  if (s.broken || t >= d.tp) return;
   const u64* peers = (const u64*)d.peers;
   st_release_sys(dp_flag(d, peers[t], d.ready_off, parity, d.rank), ((u64)e << 32) | full_sig);
   dp_wait_flag(d, dp_flag(d, d.base, d.ready_off, parity, t), e, t, full_sig,
@@ -253,13 +250,11 @@ __device__ __forceinline__ bool gather_value_real(i64 k, i64 RN, u32 n, u32 c) {
 // neither sent nor awaited nor written.
 extern "C" __global__ void dp_gather_ll(u64 in0, u64 in1, u64 in2, u64 bs_ptr, i64 bs_host,
                                         DpDesc d, i64 pad_bs, i64 kind, u64 sig) {
-  if (dp_broken(d)) return;
-  const u32 e = dp_next_epoch(d);
-  const u32 parity = e & 1u;
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  if (s.broken) return;
+  const u32 e = s.e, parity = s.parity, bs = s.bs, full_sig = s.sig;
   const u64 dparity = parity & d.parity_mask;
   const u64 tag = (u64)e << 32;
-  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
-  const u32 full_sig = (u32)sig | bs;
   const u32 R = (u32)(pad_bs / d.tp), n = d.n, tp = d.tp, rank = d.rank;
   const i64 RN = (i64)R * n;
   const i64 vals = kind == 0 ? 2 * RN + R : RN;
@@ -358,17 +353,14 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
     dp_argmax(u64 src_ptr, u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols,
               i64 vocab_limit, i64 dtype_code, u64 sig) {
   u32* ctrl = dp_ctrl(d);
-  if (dp_broken(d)) return;
-  const u32 e = dp_next_epoch(d);
-  const u32 parity = e & 1u;
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  const u32 e = s.e, parity = s.parity, bs = s.bs, full_sig = s.sig;
   const u64 dparity = parity & d.parity_mask;
   const u64 tag = (u64)e << 32;
-  const u32 bs = dp_real_bs(bs_ptr, bs_host, pad_bs);
-  const u32 full_sig = (u32)sig | bs;
   const u32 R = (u32)(pad_bs / d.tp), rpd = R * d.n;
   const u32 limit = (u32)vocab_limit;
   const u32 active = dp_active_ctas((u64)bs * d.n);  // one row per CTA at most: see dp_swap_push
-  if (blockIdx.x >= active) return;
+  if (s.broken || blockIdx.x >= active) return;
   if (dtype_code == 1)
     argmax_push_rows<ArgmaxBf16>(d, src_ptr, bs * d.n, rpd, (u32)ncols, limit, dparity, tag);
   else if (dtype_code == 2)

@@ -298,3 +298,60 @@ def test_swap_block_fits_the_chunk_to_one_round_of_loads() -> None:
         assert b == 32 or (b - 32) * 4 * 16 < chunk  # the fewest warps that suffice
     no_fit = OnesidedTuning(256, 32768, 3, 4, False, False, "barrier")
     assert swap_block(16, 8, no_fit) == 256
+
+
+def test_swap_grid_follows_the_real_rows() -> None:
+    from ipc_dpsample.backends.onesided import SwapPlan
+
+    # tp=8, N=4, V=152064 fp32: 3 chunks a row, 12 tiles a request; 132 SMs x 3
+    plan = SwapPlan((), (), (), tiles_per_req=12, max_grid=396)
+    assert plan.grid(256) == 396  # the padded batch (also a device bs): the cap
+    assert plan.grid(33) == 396
+    assert plan.grid(8) == 96  # a CTA per tile, none idle
+    assert plan.grid(1) == 12
+    assert plan.grid(0) == 1  # CTA 0 still signals
+
+
+def test_run_resizes_only_the_pushes() -> None:
+    from ipc_dpsample.backends.onesided.backend import _run
+
+    calls: list[tuple[str, int, tuple[int, ...], int]] = []
+
+    class Launch:
+        def __init__(self, name: str, n_var: int) -> None:
+            self.name, self.n_var = name, n_var
+
+        def __call__(self, stream: int, *var: int, grid: int = 0) -> None:
+            calls.append((self.name, stream, var, grid))
+
+    enter, push = Launch("enter", 2), Launch("push", 3)
+    _run((enter, push), 7, (11, 22, 33), (push,), 96)  # type: ignore[arg-type]
+    assert calls == [("enter", 7, (22, 33), 0), ("push", 7, (11, 22, 33), 96)]
+
+
+def test_prepared_launch_takes_a_per_call_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    import sys
+    import types
+
+    from ipc_dpsample.backends import common
+
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Device = lambda device=None: contextlib.nullcontext()  # type: ignore[attr-defined]
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    seen: list[tuple[int, int, int, int]] = []
+
+    def launch(f: int, gx: int, gy: int, gz: int, bx: int, *rest: int) -> None:
+        params = ctypes.cast(rest[4], ctypes.POINTER(ctypes.c_void_p))
+        first = ctypes.c_uint64.from_address(params[0]).value
+        seen.append((f, gx, bx, first))
+
+    monkeypatch.setattr(common, "_launch_kernel", launch)
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=5))
+    pl = common.PreparedLaunch(kernel, 0, 396, 416, (0, 0, 9), 2)
+    pl(1, 123, 0)
+    pl(1, 124, 0, grid=96)
+    pl(1, 125, 0, grid=0)  # 0: the default grid
+    assert seen == [(5, 396, 416, 123), (5, 96, 416, 124), (5, 396, 416, 125)]

@@ -41,7 +41,8 @@ class PreparedLaunch:
         Loaded on ``device`` (its ``kernel.ptr`` is the ``CUfunction``).
     device : int
     grid, block : int
-        One-dimensional launch geometry.
+        One-dimensional launch geometry; ``grid`` is the default (a call may pass
+        another when the kernel takes any grid, e.g. one sized to the real rows).
     args : tuple of int or bytes
         Every argument; the first ``n_var`` are placeholders set per call. A
         ``bytes`` argument is a struct passed by value (its bytes as the kernel's
@@ -103,14 +104,13 @@ class PreparedLaunch:
     def block(self) -> int:
         return self._block
 
-    def __call__(self, stream: int, *var: int) -> None:
+    def __call__(self, stream: int, *var: int, grid: int = 0) -> None:
         vals = self._vals
         for i, v in enumerate(var):
             vals[i] = v & _U64
+        grid = grid or self._grid
         try:
-            _launch_kernel(
-                self._func, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
-            )
+            _launch_kernel(self._func, grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0)
         except Exception as exc:
             import cupy
             from cupy.cuda import driver
@@ -121,7 +121,7 @@ class PreparedLaunch:
             # make this device's primary context current and try once more
             with cupy.cuda.Device(self._device):
                 driver.launchKernel(
-                    self._func, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
+                    self._func, grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
                 )
 
 

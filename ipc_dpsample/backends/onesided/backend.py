@@ -73,16 +73,34 @@ class SwapPlan(NamedTuple):
     ``eager``: the push into the ping-pong regions. ``graphed``: what a swap runs
     once ops are captured in CUDA graphs (entry barrier + push into the fixed
     output, or push + copy into it). Every launch takes a suffix of the per-call
-    values ``(input, bs_ptr, bs_host)``.
+    values ``(input, bs_ptr, bs_host)``. ``pushes`` are the launches whose grid
+    follows the real rows (:meth:`grid`); the others keep theirs.
     """
 
     eager: tuple[PreparedLaunch, ...]
     graphed: tuple[PreparedLaunch, ...]
+    pushes: tuple[PreparedLaunch, ...]
+    tiles_per_req: int  # tiles of one request: N rows x chunks per row
+    max_grid: int  # SMs x IPC_DPSAMPLE_SWAP_CTAS_PER_SM
+
+    def grid(self, bs: int) -> int:
+        """The push's grid for ``bs`` requests: a CTA per tile up to the cap. A host
+        ``bs`` launches no CTA without a tile; a device ``bs`` (``RealRows.bs`` is
+        then ``pad_bs``) gets the padded batch's grid, whose extra CTAs leave at
+        once (``dp_swap_push``)."""
+        return max(1, min(self.max_grid, bs * self.tiles_per_req))
 
 
-def _run(launches: tuple[PreparedLaunch, ...], handle: int, values: tuple[int, ...]) -> None:
+def _run(
+    launches: tuple[PreparedLaunch, ...],
+    handle: int,
+    values: tuple[int, ...],
+    resized: tuple[PreparedLaunch, ...] = (),
+    grid: int = 0,
+) -> None:
     for launch in launches:
-        launch(handle, *values[len(values) - launch.n_var :])
+        var = values[len(values) - launch.n_var :]
+        launch(handle, *var, grid=grid if launch in resized else 0)
 
 
 class OnesidedBackend(Backend):
@@ -123,6 +141,7 @@ class OnesidedBackend(Backend):
         for kernel in self._kernels.values():
             _ = kernel.max_threads_per_block
         self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+        self._max_argmax_grid = self._sm_count * ARGMAX_CTAS_PER_SM
         self._err = DpErrorBlock.from_address(self.arena.err_host)
         self._err_code = ctypes.c_uint32.from_address(self.arena.err_host)
         self._error: DpSampleError | None = None
@@ -175,10 +194,16 @@ class OnesidedBackend(Backend):
         return capturing
 
     def _issue(
-        self, launches: tuple[PreparedLaunch, ...], handle: int, values: tuple[int, ...], op: Op
+        self,
+        launches: tuple[PreparedLaunch, ...],
+        handle: int,
+        values: tuple[int, ...],
+        op: Op,
+        resized: tuple[PreparedLaunch, ...] = (),
+        grid: int = 0,
     ) -> None:
         try:
-            _run(launches, handle, values)
+            _run(launches, handle, values, resized, grid)
         except Exception as exc:
             self._error = DpSampleError(
                 f"{op.api_name} launch failed ({exc}); close this communicator"
@@ -204,7 +229,8 @@ class OnesidedBackend(Backend):
         shard_bytes = cfg.vocab_size // cfg.tp_size * itemsize
         chunks = max(1, -(-shard_bytes // tun.chunk))
         chunk_bytes = max(16, (-(-shard_bytes // chunks) + 15) // 16 * 16)
-        grid = max(1, min(cfg.tp_size * rows * chunks, self._sm_count * tun.ctas_per_sm))
+        max_grid = self._sm_count * tun.ctas_per_sm
+        grid = max(1, min(cfg.tp_size * rows * chunks, max_grid))
         block = swap_block(chunk_bytes, cfg.tp_size, tun)
 
         def push(region_off: int, parity_mask: int, graph: bool) -> PreparedLaunch:
@@ -223,12 +249,17 @@ class OnesidedBackend(Backend):
                 2,
             )
             graphed: tuple[PreparedLaunch, ...] = (eager, copy_out)
+            pushes: tuple[PreparedLaunch, ...] = (eager,)
         else:
             sig = self._sig(Op.SWAP, dtype, pad_bs, True)
             tp_threads = 32 * -(-cfg.tp_size // 32)
             enter = self._launch("dp_swap_enter", 1, tp_threads, (0, 0, desc, pad_bs, sig), 2)
             graphed = (enter, push(lay.swap_fixed_off, 0, True))
-        plan = self._swap_plans[pad_bs] = SwapPlan((eager,), graphed)
+            pushes = (eager, graphed[1])
+        tiles_per_req = cfg.num_tokens_per_req * chunks
+        plan = self._swap_plans[pad_bs] = SwapPlan(
+            (eager,), graphed, pushes, tiles_per_req, max_grid
+        )
         return plan
 
     def swap_batch_vocab(
@@ -238,9 +269,9 @@ class OnesidedBackend(Backend):
         capturing = self._begin(handle)
         plan = self._swap_plan(pad_bs)
         graphed = self._graphed
-        self._issue(
-            plan.graphed if graphed else plan.eager, handle, (info.ptr, bs.ptr, bs.bs), Op.SWAP
-        )
+        launches = plan.graphed if graphed else plan.eager
+        values = (info.ptr, bs.ptr, bs.bs)
+        self._issue(launches, handle, values, Op.SWAP, plan.pushes, plan.grid(bs.bs))
         cfg, lay = self.cfg, self.layout
         dtype = self._logits_dtype
         assert dtype is not None
@@ -330,12 +361,14 @@ class OnesidedBackend(Backend):
         if launch is None:
             sig = self._sig(Op.ARGMAX, dtype, pad_bs)
             rows = pad_bs * cfg.num_tokens_per_req
-            grid = max(1, min(rows, self._sm_count * ARGMAX_CTAS_PER_SM))
+            grid = max(1, min(rows, self._max_argmax_grid))
             vs = cfg.vocab_size // cfg.tp_size
             args = (0, 0, 0, self._desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig)
             launch = self._launch("dp_argmax", grid, ARGMAX_BLOCK, args, 3)
             self._argmax_plans[(pad_bs, vocab_limit)] = launch
-        self._issue((launch,), handle, (info.ptr, bs.ptr, bs.bs), Op.ARGMAX)
+        # a CTA per real row up to the cap (a device bs: pad_bs's grid, as for the swap)
+        grid = max(1, min(bs.bs * cfg.num_tokens_per_req, self._max_argmax_grid))
+        self._issue((launch,), handle, (info.ptr, bs.ptr, bs.bs), Op.ARGMAX, (launch,), grid)
         if not self._graphed:
             self._host_epoch += 1
         self._guard.end(handle, capturing)
