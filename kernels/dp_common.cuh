@@ -96,6 +96,15 @@ __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
 // unrelated stores and costs more.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// A counter bump that publishes this thread's (and, through the CTA barrier before
+// it, its CTA's) stores at gpu scope and acquires what earlier bumps published: the
+// CTA that makes the last bump has every CTA's stores ordered before its own.
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ u64 globaltimer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -30,6 +30,14 @@
 #ifndef DP_SWAP_UNROLL
 #define DP_SWAP_UNROLL 4  // vector loads in flight per thread (IPC_DPSAMPLE_SWAP_UNROLL)
 #endif
+#ifndef DP_SWAP_CTA_RELEASE_GPU
+// 1: each CTA publishes its tiles with a gpu-scope acq_rel bump of the local counter
+// and the last CTA alone fences at system scope before it signals the peers; 0: each
+// CTA fences at system scope before a relaxed bump. Both order every CTA's stores
+// before the flag a peer acquires (release and acquire compose across scopes in the
+// PTX memory model; the peer only needs the last CTA's system-scope release).
+#define DP_SWAP_CTA_RELEASE_GPU 1
+#endif
 #ifndef DP_SWAP_STREAMING
 #define DP_SWAP_STREAMING 0  // 1: streaming cache hints on 16-byte moves (IPC_DPSAMPLE_SWAP_STREAMING)
 #endif
@@ -102,16 +110,15 @@ __device__ __forceinline__ void copy_block(char* dst, const char* src, u64 n) {
 // target the same peer at once. I is the tile index type: 32-bit whenever the tile
 // count fits (the per-tile index math is then a few instructions, not 64-bit
 // divisions that stall the warp between its loads); byte offsets stay 64-bit.
-// Returns true when this CTA moved at least one tile.
 template <typename I>
-__device__ __forceinline__ bool push_tiles(const DpDesc& d, u64 src_ptr, u64 region_off,
+__device__ __forceinline__ void push_tiles(const DpDesc& d, u64 src_ptr, u64 region_off,
                                            u64 real_rows, u64 rows_per_dest, u64 shard_bytes,
                                            u64 chunks_per_row, u64 chunk_bytes) {
   const I cpr = (I)chunks_per_row;
   const I rows = (I)real_rows;
   const I rpd = (I)rows_per_dest;
   const I tiles = rows * cpr;
-  if ((I)blockIdx.x >= tiles) return false;
+  if (tiles == 0) return;  // bs = 0: CTA 0 only signals (and `start` would divide by 0)
   const u64* peers = (const u64*)d.peers;
   const u64 row_bytes_out = shard_bytes * d.tp;
   const I start = (I)(((u64)(d.rank + 1) * rows_per_dest) % real_rows);
@@ -130,7 +137,6 @@ __device__ __forceinline__ bool push_tiles(const DpDesc& d, u64 src_ptr, u64 reg
               (u64)d.rank * shard_bytes + c0;
     copy_block(t, s, n);
   }
-  return true;
 }
 
 // swap_batch_vocab: one launch. Every CTA moves its tiles, fences and bumps the
@@ -161,25 +167,28 @@ extern "C" __global__ void dp_swap_push(
   const u32 active = dp_active_ctas(real_rows * (u64)chunks_per_row);
   if (s.broken || blockIdx.x >= active) return;
 
-  bool moved = false;
   if (real_rows * (u64)chunks_per_row <= 0xffffffffull)
-    moved = push_tiles<u32>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes,
-                            chunks_per_row, chunk_bytes);
+    push_tiles<u32>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes, chunks_per_row,
+                    chunk_bytes);
   else
-    moved = push_tiles<u64>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes,
-                            chunks_per_row, chunk_bytes);
+    push_tiles<u64>(d, src_ptr, off, real_rows, rows_per_dest, shard_bytes, chunks_per_row,
+                    chunk_bytes);
 
   __shared__ u32 last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (moved) fence_sys();  // a CTA that stored nothing has nothing to publish
+#if DP_SWAP_CTA_RELEASE_GPU
+    const u32 prev = atom_add_acq_rel_gpu(&ctrl[DP_CTRL_COUNTER], 1u);
+#else
+    fence_sys();
     const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
+#endif
     last = (prev == active - 1) ? 1u : 0u;
   }
   __syncthreads();
   if (!last) return;
 
-  fence_sys();
+  fence_sys();  // every CTA's tiles (acquired above) before the flags, at system scope
   const u64 word = ((u64)e << 32) | full_sig;
   const u64* peers = (const u64*)d.peers;
   if (threadIdx.x < d.tp) {

@@ -14,8 +14,16 @@ SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 
 
-# the one-sided kernels' compile-time knobs (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING)
-KNOBS = {"default": [], "unroll8-streaming": ["-DDP_SWAP_UNROLL=8", "-DDP_SWAP_STREAMING=1"]}
+# the one-sided kernels' compile-time knobs (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING, and
+# the swap's per-CTA system-scope fence of onesided.cu's DP_SWAP_CTA_RELEASE_GPU=0)
+KNOBS = {
+    "default": [],
+    "unroll8-streaming-ctafence": [
+        "-DDP_SWAP_UNROLL=8",
+        "-DDP_SWAP_STREAMING=1",
+        "-DDP_SWAP_CTA_RELEASE_GPU=0",
+    ],
+}
 
 
 @pytest.mark.parametrize("knobs", sorted(KNOBS))
