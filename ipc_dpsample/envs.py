@@ -116,7 +116,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "IPC_DPSAMPLE_SWAP_CTAS_PER_SM",
             _int_in(1, 32),
-            3,
+            2,
             "tuning: swap CTAs per SM (the grid's cap)",
         ),
         EnvVar(
