@@ -139,6 +139,14 @@ REGISTRY: dict[str, EnvVar] = {
             "tuning (compile time): streaming cache hints on the swap's 16-byte moves",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_SWAP_CTA_FENCE",
+            _choice("gpu", "sys"),
+            "gpu",
+            "compile time: how a swap CTA publishes its tiles: `gpu` (a GPU-scope acq_rel "
+            "counter bump; the last CTA alone fences at system scope before the flags) or "
+            "`sys` (a system-scope fence in every CTA, the ordering of 0.1)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_ARGMAX_UNROLL",
             _one_of_ints(1, 2, 4, 8),
             2,
@@ -206,6 +214,7 @@ class OnesidedTuning:
     streaming: bool
     graph_swap: str
     argmax_unroll: int = 2
+    cta_fence: str = "gpu"
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -214,6 +223,7 @@ class OnesidedTuning:
             f"-DDP_SWAP_UNROLL={self.unroll}",
             f"-DDP_SWAP_STREAMING={int(self.streaming)}",
             f"-DDP_ARGMAX_UNROLL={self.argmax_unroll}",
+            f"-DDP_SWAP_CTA_RELEASE_GPU={int(self.cta_fence == 'gpu')}",
         )
 
 
@@ -229,4 +239,5 @@ def onesided_tuning() -> OnesidedTuning:
         streaming=get("IPC_DPSAMPLE_SWAP_STREAMING"),
         graph_swap=get("IPC_DPSAMPLE_GRAPH_SWAP"),
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
+        cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
     )

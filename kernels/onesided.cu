@@ -31,11 +31,12 @@
 #define DP_SWAP_UNROLL 4  // vector loads in flight per thread (IPC_DPSAMPLE_SWAP_UNROLL)
 #endif
 #ifndef DP_SWAP_CTA_RELEASE_GPU
-// 1: each CTA publishes its tiles with a gpu-scope acq_rel bump of the local counter
-// and the last CTA alone fences at system scope before it signals the peers; 0: each
-// CTA fences at system scope before a relaxed bump. Both order every CTA's stores
-// before the flag a peer acquires (release and acquire compose across scopes in the
-// PTX memory model; the peer only needs the last CTA's system-scope release).
+// IPC_DPSAMPLE_SWAP_CTA_FENCE (gpu = 1, sys = 0). 1: each CTA publishes its tiles
+// with a gpu-scope acq_rel bump of the local counter and the last CTA alone fences at
+// system scope before it signals the peers; 0: each CTA fences at system scope before
+// a relaxed bump. Both order every CTA's stores before the flag a peer acquires
+// (release and acquire compose across scopes in the PTX memory model; the peer only
+// needs the last CTA's system-scope release).
 #define DP_SWAP_CTA_RELEASE_GPU 1
 #endif
 #ifndef DP_SWAP_STREAMING

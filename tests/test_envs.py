@@ -43,6 +43,7 @@ def test_every_variable_has_a_doc_and_a_default_that_parses(
         ("IPC_DPSAMPLE_SWAP_UNROLL", "3", r"SWAP_UNROLL='3'.*one of \(1, 2, 4, 8, 16\)"),
         ("IPC_DPSAMPLE_SWAP_CTAS_PER_SM", "0", r"CTAS_PER_SM='0'.*\[1, 32\]"),
         ("IPC_DPSAMPLE_GRAPH_SWAP", "both", r"GRAPH_SWAP='both'.*'barrier', 'copy'"),
+        ("IPC_DPSAMPLE_SWAP_CTA_FENCE", "cta", r"CTA_FENCE='cta'.*'gpu', 'sys'"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_it_accepts(
@@ -58,13 +59,17 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_SWAP_STREAMING", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_GRAPH_SWAP", "COPY")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "8")
+    monkeypatch.setenv("IPC_DPSAMPLE_SWAP_CTA_FENCE", "SYS")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
     assert tun.compile_options == (
         "-DDP_SWAP_UNROLL=8",
         "-DDP_SWAP_STREAMING=1",
         "-DDP_ARGMAX_UNROLL=8",
+        "-DDP_SWAP_CTA_RELEASE_GPU=0",
     )
+    monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
+    assert envs.onesided_tuning().compile_options[-1] == "-DDP_SWAP_CTA_RELEASE_GPU=1"
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):

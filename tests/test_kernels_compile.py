@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from ipc_dpsample.envs import OnesidedTuning
+
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 
 
-# the one-sided kernels' compile-time knobs (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING, and
-# the swap's per-CTA system-scope fence of onesided.cu's DP_SWAP_CTA_RELEASE_GPU=0)
+# the one-sided kernels' compile-time knobs, as the environment sets them
+# (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING / _CTA_FENCE, IPC_DPSAMPLE_ARGMAX_UNROLL)
 KNOBS = {
-    "default": [],
-    "unroll8-streaming-ctafence": [
-        "-DDP_SWAP_UNROLL=8",
-        "-DDP_SWAP_STREAMING=1",
-        "-DDP_SWAP_CTA_RELEASE_GPU=0",
-    ],
+    "default": list(OnesidedTuning(512, 32768, 2, 4, True, False, "barrier").compile_options),
+    "unroll8-streaming-sysfence": list(
+        OnesidedTuning(512, 32768, 2, 8, True, True, "barrier", 4, "sys").compile_options
+    ),
 }
 
 
