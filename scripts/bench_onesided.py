@@ -6,7 +6,9 @@ and CSV/JSON/plot are the tool's).
 Measures the big swap (pad_bs=256, N=4, V=152064, fp32) at ``--tp`` ranks and at
 tp=1 against the copy limit measured in the same run; without ``--big-only`` also
 CUDA-graph replays and the small ops (swap pad_bs=8 bf16, both gathers at 64).
-Host time per call lives in ``scripts/profile_host.py``.
+``--bs 256,130,8`` measures the big swap at those real batch sizes too (only the
+real rows move; a device ``bs`` under a graph) and prints the tool's bs-scaling
+table. Host time per call lives in ``scripts/profile_host.py``.
 
 Writes the tool's ``bench.csv``/``bench.json`` into ``--out`` and, for
 ``scripts/device_run.sh``'s knob picker, ``bench_onesided.json`` whose rows carry
@@ -66,6 +68,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--big-only", action="store_true", help="only the big swap, eager")
     ap.add_argument(
+        "--bs",
+        default="",
+        help="real batch sizes of the big swap (pad_bs=256), a comma list in 1..256 "
+        "(default: 256 only, every padded request real)",
+    )
+    ap.add_argument(
         "--dump-after",
         type=float,
         default=0,
@@ -79,6 +87,8 @@ def main() -> int:
     out = Path(args.out)
     big = {"pad_bs": "256", "num_tokens": "4", "vocab": "152064", "dtype": "fp32"}
     big["ops"] = "swap_batch_vocab"
+    if args.bs:
+        big["bs"] = args.bs
     runs = [(out / "big", f"{args.tp},1", "eager" if args.big_only else "eager,graph", big)]
     if not args.big_only:
         small = {"num_tokens": "4", "vocab": "152064", "dtype": "bf16"}

@@ -308,3 +308,36 @@ def test_gated_plans_on_gpus_and_not_on_the_cpu() -> None:
     swap = [r for r in rows if r["op"] == "swap_batch_vocab"]
     assert {(r["pad_bs"], r["bs"]) for r in swap} == {(64, 64), (64, 50), (256, 256), (256, 130)}
     assert all(r["launch"] == "threads gated" for r in rows)
+
+
+# -- scripts/bench_onesided.py ------------------------------------------------------------
+def _bench_onesided_argvs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *argv: str):
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_onesided.py"
+    spec = importlib.util.spec_from_file_location("bench_onesided_script", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(script, "tool_main", lambda a: calls.append(list(a)) or 0)
+    monkeypatch.setattr(sys, "argv", ["bench_onesided.py", "--out", str(tmp_path), *argv])
+    assert script.main() == 0
+    return calls
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_bench_onesided_passes_bs_to_the_big_swap_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls = _bench_onesided_argvs(monkeypatch, tmp_path, "--bs", "256,130,8")
+    big, small_swap, gathers = calls
+    assert _opt(big, "--pad-bs") == "256" and _opt(big, "--bs") == "256,130,8"
+    assert _opt(big, "--mode") == "eager,graph" and _opt(big, "--tp") == "8,1"
+    assert "--bs" not in small_swap and "--bs" not in gathers  # their pad_bs are 8 and 64
+    (only,) = _bench_onesided_argvs(monkeypatch, tmp_path, "--big-only")
+    assert "--bs" not in only and _opt(only, "--mode") == "eager"
