@@ -303,7 +303,7 @@ def test_swap_block_fits_the_chunk_to_one_round_of_loads() -> None:
 def test_swap_grid_follows_the_real_rows() -> None:
     from ipc_dpsample.backends.onesided import SwapPlan
 
-    # tp=8, N=4, V=152064 fp32: 3 chunks a row, 12 tiles a request; 132 SMs x 3
+    # tp=8, N=4, V=152064 fp32: 3 chunks a row, 12 tiles a request; a cap of 132 SMs x 3
     plan = SwapPlan((), (), (), tiles_per_req=12, max_grid=396)
     assert plan.grid(256) == 396  # the padded batch (also a device bs): the cap
     assert plan.grid(33) == 396
