@@ -167,7 +167,7 @@ class DpSamplingComm:
         if name == "torch":
             import torch
 
-            from .backends.torch_backend import TorchBackend
+            from .backends.torch import TorchBackend
             from .select import gpu_sharing_ranks
 
             dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)

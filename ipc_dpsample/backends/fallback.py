@@ -25,7 +25,7 @@ from ..config import CommConfig
 from ..errors import DpSampleError
 from ..protocol import Call, Dtype, Op, divergence_message
 from .base import Backend, RealRows
-from .torch_argmax import PARTIAL_WORDS, combine_partials, local_partials
+from .torch.argmax import PARTIAL_WORDS, combine_partials, local_partials
 
 __all__ = ["CollectivesBackend"]
 

@@ -1,7 +1,7 @@
 """Launch plans of the torch backend: how each op's blocks are laid out in the send
 buffer and unpacked from the receive buffer (views built once per shape and
 ``bs``, so the per-call path only copies). See
-:mod:`ipc_dpsample.backends.torch_backend` for the wire format."""
+:mod:`ipc_dpsample.backends.torch.backend` for the wire format."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..layout import real_reqs
-from .torch_argmax import PARTIAL_WORDS
+from ...layout import real_reqs
+from .argmax import PARTIAL_WORDS
 
 __all__ = ["TorchPlans"]
 
@@ -35,7 +35,7 @@ class _Plan(NamedTuple):
 
 
 class TorchPlans:
-    """The plan builders of :class:`~ipc_dpsample.backends.torch_backend.TorchBackend`
+    """The plan builders of :class:`~ipc_dpsample.backends.torch.backend.TorchBackend`
     (a mixin: they read its buffers and sizes)."""
 
     _send: torch.Tensor

@@ -1,15 +1,15 @@
 """Failure diagnosis of the torch backend: after a collective failed (timeout,
 reset connection, other c10d error), find out why with a bounded exchange of
 failure records through the c10d store, and build the one error that explains it
-on every rank (see :mod:`ipc_dpsample.backends.torch_backend`)."""
+on every rank (see :mod:`ipc_dpsample.backends.torch.backend`)."""
 
 from __future__ import annotations
 
 import struct
 from typing import Any
 
-from ..errors import DpSampleError, PeerTimeoutError
-from ..protocol import Call, Op, divergence_message
+from ...errors import DpSampleError, PeerTimeoutError
+from ...protocol import Call, Op, divergence_message
 
 __all__ = ["REPORT_WAIT_S", "UNUSABLE", "diagnose_failure"]
 

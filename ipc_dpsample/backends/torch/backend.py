@@ -62,15 +62,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..arrays import ArrayInfo, ArrayKind, as_torch, torch_view
-from ..config import CommConfig
-from ..errors import DpSampleError
-from ..group import TorchStoreGroup
-from ..protocol import Call, Dtype, Op, divergence_message
-from .base import Backend, RealRows
-from .torch_argmax import PARTIAL_WORDS, combine_partials, local_partials
-from .torch_failure import REPORT_WAIT_S, diagnose_failure
-from .torch_plans import _HDR, _HDR_WORDS, TorchPlans, _Plan, _round16
+from ...arrays import ArrayInfo, ArrayKind, as_torch, torch_view
+from ...config import CommConfig
+from ...errors import DpSampleError
+from ...group import TorchStoreGroup
+from ...protocol import Call, Dtype, Op, divergence_message
+from ..base import Backend, RealRows
+from .argmax import PARTIAL_WORDS, combine_partials, local_partials
+from .failure import REPORT_WAIT_S, diagnose_failure
+from .plans import _HDR, _HDR_WORDS, TorchPlans, _Plan, _round16
 
 __all__ = ["REPORT_WAIT_S", "TorchBackend"]
 
@@ -203,7 +203,7 @@ class TorchBackend(TorchPlans, Backend):
             return _nullctx
         if isinstance(stream, torch.cuda.Stream):
             return torch.cuda.stream(stream)
-        from ..arrays import resolve_stream
+        from ...arrays import resolve_stream
 
         handle = resolve_stream(ArrayKind.TORCH, stream, self.device.index)
         return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=self.device))
@@ -397,7 +397,7 @@ class TorchBackend(TorchPlans, Backend):
         with ``torch.argmax`` semantics, sum of ``exp(x - max)``; columns
         ``>= vocab_limit`` excluded), sends the partials of peer ``p``'s real rows
         to ``p`` in one all-to-all, and combines the ``tp`` partials of its own rows
-        (see :mod:`ipc_dpsample.backends.torch_argmax`)."""
+        (see :mod:`ipc_dpsample.backends.torch.argmax`)."""
         assert self._logits_dtype is not None
         dtype = Dtype.of(self._logits_dtype)
         t = self._as_torch(x, info)
