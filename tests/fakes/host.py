@@ -22,7 +22,7 @@ from ipc_dpsample.backends.common import InFlightGuard
 from ipc_dpsample.backends.nccl import NcclBackend
 from ipc_dpsample.backends.nccl import setup as nccl_setup
 from ipc_dpsample.backends.nccl.geometry import ARGMAX_KERNEL_NAMES, KERNEL_NAMES
-from ipc_dpsample.backends.nccl.plan import Launcher
+from ipc_dpsample.backends.nccl.launcher import Launcher
 from ipc_dpsample.backends.nccl.records import ERROR_WORDS
 from ipc_dpsample.config import CommConfig
 from ipc_dpsample.testing import run_threads

@@ -79,7 +79,7 @@ class NcclBackend(NcclSetup, Backend):
         self._views = ViewCache(device, self._bufs)
         self._swap_plans: dict[int, SwapPlan] = {}
         self._gather_plans: dict[tuple[Op, int], GatherPlan] = {}
-        self.logits_dtype: str | None = None
+        self.logits_dtype = None
         self._guard: InFlightGuard | None = None
         self.rmax = cfg.max_pad_bs // self.tp
         self.width = packed_width(cfg.max_pad_bs, self.tp, cfg.num_tokens_per_req)

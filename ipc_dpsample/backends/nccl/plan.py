@@ -6,14 +6,11 @@ kernel per call) and the peer steps of its NCCL group. Built on the first call o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from ...arrays import ITEMSIZE
 from ...protocol import Call, Dtype, Op
 from ..base import RealRows
 from ..common import PreparedLaunch
 from .geometry import (
-    BLOCK,
     PARTIAL_BYTES,
     argmax_slots,
     linear_grid,
@@ -22,11 +19,9 @@ from .geometry import (
     swap_moves,
     vector_width,
 )
+from .setup import NcclSetup
 
-if TYPE_CHECKING:
-    from .backend import NcclBackend
-
-__all__ = ["ArgmaxPlan", "GatherPlan", "Launcher", "SwapPlan", "tag_of"]
+__all__ = ["ArgmaxPlan", "GatherPlan", "SwapPlan", "tag_of"]
 
 Moves = tuple[tuple[int, int, int, int, int], ...]
 
@@ -34,33 +29,6 @@ Moves = tuple[tuple[int, int, int, int, int], ...]
 def tag_of(op: Op, dtype: Dtype) -> int:
     """Header word 0 (``protocol.Call.header()``) of ``op`` on ``dtype`` data."""
     return Call(op, dtype, 0).header()[0]
-
-
-class Launcher:
-    """Prepared launches of one device's NCCL-backend kernels.
-
-    Parameters
-    ----------
-    kernels : dict of str to cupy.RawKernel
-        Every name of :data:`~.geometry.KERNEL_NAMES` (name expressions for the
-        permute instantiations).
-    device : int
-    """
-
-    def __init__(self, kernels: dict[str, Any], device: int):
-        self.kernels = kernels
-        self.device = device
-
-    def prepare(
-        self, name: str, grid: int, args: tuple[int, ...], n_var: int, block: int = BLOCK
-    ) -> PreparedLaunch:
-        """``name`` on ``grid`` x ``block`` threads with ``args``, whose first ``n_var``
-        entries are set per call."""
-        return PreparedLaunch(self.kernels[name], self.device, grid, block, args, n_var)
-
-    def header(self, tag: int, pad_bs: int, my_hdr: int, counter: int) -> PreparedLaunch:
-        """``nccl_header``: per call ``(bs, bs_ptr)``."""
-        return self.prepare("nccl_header", 1, (0, 0, my_hdr, tag, pad_bs, counter), 2, block=1)
 
 
 class SwapPlan:
@@ -76,7 +44,7 @@ class SwapPlan:
         ``nccl_header``; per call ``(bs, bs_ptr)``.
     """
 
-    def __init__(self, backend: NcclBackend, pad_bs: int):
+    def __init__(self, backend: NcclSetup, pad_bs: int):
         b, cfg = backend, backend.cfg
         assert b.logits_dtype is not None
         n, reqs = cfg.num_tokens_per_req, pad_bs // b.tp
@@ -152,7 +120,7 @@ class GatherPlan:
         ``nccl_unpack``; nothing per call.
     """
 
-    def __init__(self, backend: NcclBackend, op: Op, pad_bs: int):
+    def __init__(self, backend: NcclSetup, op: Op, pad_bs: int):
         b, n = backend, backend.cfg.num_tokens_per_req
         reqs = pad_bs // b.tp
         rn = reqs * n
@@ -217,7 +185,7 @@ class ArgmaxPlan:
         ``vocab_limit`` outside ``1..V``.
     """
 
-    def __init__(self, backend: NcclBackend, pad_bs: int, vocab_limit: int):
+    def __init__(self, backend: NcclSetup, pad_bs: int, vocab_limit: int):
         b, cfg = backend, backend.cfg
         if not 1 <= vocab_limit <= cfg.vocab_size:
             raise ValueError(

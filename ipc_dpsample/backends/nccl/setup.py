@@ -29,7 +29,7 @@ from .geometry import (
     SOURCE,
     argmax_buffer_bytes,
 )
-from .plan import Launcher
+from .launcher import Launcher
 from .records import (
     ERROR_BYTES,
     HDR_BYTES,
@@ -72,6 +72,7 @@ class NcclSetup:
     ptr: dict[str, int]
     err_dev: int
     launcher: Launcher
+    logits_dtype: str | None
     _bufs: dict[str, Any]
     _closed: bool
     _comm: Any
