@@ -11,8 +11,7 @@ Public API::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .comm import DpSamplingComm, DtypeMismatchError
 from .compat import swap_batch_vocab
 from .errors import (

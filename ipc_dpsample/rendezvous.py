@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__, envs
+from . import envs
+from ._version import __version__
 from .backends.base import Backend
 from .config import (
     BACKENDS,
