@@ -1,0 +1,389 @@
+"""Speculative verify for ``spec_decode.py``: the sampler, the acceptance bookkeeping,
+and one verifier per route through :class:`ipc_dpsample.DpSamplingComm`.
+
+Routes (``--verify``):
+
+* ``swap`` (TokenSpeed's): ``swap_batch_vocab`` gives the rank its own requests' full
+  rows, the rank verifies them (greedy or sampled with :func:`sample_full_rows`),
+  ``gather_verify_outputs`` gives every rank the whole batch's results;
+* ``argmax``: ``argmax_batch_vocab`` gives the rank the arg-max id of its own rows
+  without moving logits (greedy only), then the same bookkeeping and gather;
+* ``fused``: ``verify_batch_vocab`` does all of it in the package (when this version
+  has it).
+
+Acceptance (TokenSpeed's chain verify, ``runtime/sampling/backends/greedy.py``): draft
+``i`` (column ``i`` of ``candidates``) is accepted iff it equals the target's token at
+row ``i - 1`` and every earlier draft was accepted; the target's token after the last
+accepted draft is the bonus token. Per request, ``predict[j]`` is the target's token at
+row ``j``, ``accept_length`` = accepted drafts + 1 (the tokens the request gains), and
+``accept_index[j]`` = the flat row ``req * N + j`` of ``predict`` for ``j <
+accept_length``, else ``-1``. TokenSpeed's DP route computes ``accept_index`` from the
+rank's local rows; here the rank adds its first request's index, so the gathered
+``accept_index`` indexes the gathered ``predict`` directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Clock",
+    "Fence",
+    "SamplingParams",
+    "StepInputs",
+    "Verifier",
+    "chain_verify",
+    "fmix32",
+    "gumbel_noise",
+    "sample_full_rows",
+]
+
+_M32 = 0xFFFFFFFF
+
+
+# -- the noise: a deterministic integer hash in torch ---------------------------------
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow:
+    ``c`` is split into 16-bit halves, every product stays below ``2**48``."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in ``[0, 2**32)``:
+    ``x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16``
+    (multiplications mod ``2**32``). Bit-exact on every device."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def row_key(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """32-bit key of (seed, position), int64 ``[rows]`` each:
+    ``fmix32(fmix32(fmix32(lo32(seed) ^ 0x9E3779B9) ^ hi32(seed)) ^ lo32(position))``."""
+    k = fmix32((seed & _M32) ^ 0x9E3779B9)
+    k = fmix32(k ^ ((seed >> 32) & _M32))
+    return fmix32(k ^ (position & _M32))
+
+
+_TOKEN_HASH: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (str(device), vocab)
+    if key not in _TOKEN_HASH:
+        _TOKEN_HASH[key] = fmix32(torch.arange(vocab, dtype=torch.int64, device=device))
+    return _TOKEN_HASH[key]
+
+
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` float64 for global token ids ``0..vocab-1``.
+
+    Element ``(r, t)`` depends only on ``(seed[r], position[r], t)``: ``h =
+    fmix32(row_key(seed, position) ^ fmix32(t))``, ``u = (h + 0.5) / 2**32`` (in
+    ``(0, 1)``, exact in float64), noise ``= -log(-log(u))`` in float64. So a row's
+    noise is the same however the vocabulary is split and whatever batch it is in.
+    """
+    h = fmix32(row_key(seed, position)[:, None] ^ _token_hash(vocab, seed.device)[None, :])
+    u = (h.to(torch.float64) + 0.5) * (2.0**-32)
+    return -torch.log(-torch.log(u))
+
+
+# -- the full-row sampler ----------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampled verify: the same for every request here (an engine has them per request).
+
+    ``temperature > 0``; ``top_k`` None or ``>= 1``; ``top_p`` None or in ``(0, 1]``.
+    """
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+def sample_full_rows(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """One token per full row: greedy where ``temperature == 0``, else Gumbel-max.
+
+    The one place the example samples, so that the package's own sampler can replace
+    it. Semantics (TokenSpeed's FlashInfer order): scale by ``1 / temperature``; keep
+    the ``top_k`` largest (ties at the k-th value kept); renormalise and keep the
+    smallest set of most likely ids whose mass reaches ``top_p`` (an id is kept when
+    the mass of the ids sorted before it, value descending then id ascending, is
+    below ``top_p``); then the arg-max over the kept ids of ``logit / T +
+    gumbel_noise(seed, position, id)``. Sampled in float64, so the result does not
+    hang on the last bits of a reduction. Capturable in a CUDA graph (no host sync).
+
+    Parameters
+    ----------
+    logits : ``[rows, V_real]``, any float dtype
+        Full rows, trimmed to the real vocabulary (column = global token id).
+    temperature : float32 ``[rows]``
+    seed, position : int64 ``[rows]``
+        The noise key of each row: the request's seed and the index of the token
+        being sampled among the request's generated tokens.
+    top_k, top_p : optional, the same for every row
+
+    Returns
+    -------
+    int64 ``[rows]``
+    """
+    greedy = torch.argmax(logits, dim=-1)
+    s = logits.to(torch.float64) / temperature.to(torch.float64).clamp_min(1e-6)[:, None]
+    if top_k is not None and top_k < s.shape[-1]:
+        kth = torch.topk(s, top_k, dim=-1).values[:, -1:]
+        s = s.masked_fill(s < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        p = torch.softmax(s, dim=-1)
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        s = s.masked_fill(~keep, float("-inf"))
+    sampled = torch.argmax(s + gumbel_noise(seed, position, s.shape[-1]), dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+# -- acceptance bookkeeping ------------------------------------------------------------
+def chain_verify(
+    candidates: torch.Tensor, target: torch.Tensor, first_req: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chain acceptance of ``R`` requests (see the module docstring).
+
+    Parameters
+    ----------
+    candidates : int ``[R, N]``
+        Column 0: the request's last accepted token; columns ``1..N-1``: its drafts.
+    target : int ``[R, N]``
+        The target's token (arg-max or sampled) at every row.
+    first_req : int
+        Global index of the first of these requests (``accept_index`` offset).
+
+    Returns
+    -------
+    (predict int32 ``[R, N]``, accept_index int32 ``[R, N]``, accept_length int32 ``[R]``)
+    """
+    r, n = target.shape
+    match = (candidates[:, 1:].to(torch.int64) == target[:, :-1].to(torch.int64)).to(torch.int32)
+    accepted = torch.cumprod(match, dim=1).sum(dim=1)  # [R]: the leading run of matches
+    col = torch.arange(n, device=target.device)[None, :]
+    flat = (torch.arange(r, device=target.device)[:, None] + first_req) * n + col
+    accept_index = torch.where(col <= accepted[:, None], flat, torch.full_like(flat, -1))
+    return (
+        target.to(torch.int32),
+        accept_index.to(torch.int32),
+        (accepted + 1).to(torch.int32),
+    )
+
+
+# -- timing and host ordering ------------------------------------------------------------
+class Clock:
+    """Wall time per section; on CUDA a section ends with a stream synchronisation so
+    that its GPU work is counted in it (which costs a little throughput)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.enabled = True
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        t = time.perf_counter()
+        yield
+        self.sync()
+        self.totals[name] += time.perf_counter() - t
+
+
+class Fence:
+    """Host ordering around each collective op when rank *threads* share one GPU
+    (:func:`ipc_dpsample.testing.run_threads`' rules): synchronise this rank's stream
+    and wait for every rank before issuing an op (no rank allocates or copies while a
+    peer's op is in flight), and wait again after issuing it (every rank issued the
+    op before any rank blocks on its result). A no-op for processes and on the CPU."""
+
+    def __init__(self, group: Any, device: torch.device, timeout_s: float):
+        from ipc_dpsample import ThreadGroup
+
+        self.group = group if isinstance(group, ThreadGroup) and device.type == "cuda" else None
+        self.timeout_s = timeout_s
+        self.enabled = True
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None and self.enabled
+
+    def before(self, what: str) -> None:
+        if self.active:
+            torch.cuda.current_stream().synchronize()
+            self.group.barrier(timeout_s=self.timeout_s, what=f"before {what}")
+
+    def after(self, what: str) -> None:
+        if self.active:
+            self.group.barrier(timeout_s=self.timeout_s, what=f"after {what}")
+
+
+# -- the verifiers -----------------------------------------------------------------------
+@dataclass
+class StepInputs:
+    """What one verify step reads (static buffers when it is a CUDA graph).
+
+    ``local_logits [pad_bs*N, V/tp]``; ``candidates`` int32 ``[pad_bs, N]``; per request
+    ``temperature`` float32, ``seed`` and ``offset`` int64 ``[pad_bs]`` (offset: tokens
+    the request generated so far, so row ``j`` samples its token number ``offset + j``);
+    ``bs``: the real requests, a host int or an int32 device scalar.
+    """
+
+    local_logits: torch.Tensor
+    candidates: torch.Tensor
+    temperature: torch.Tensor
+    seed: torch.Tensor
+    offset: torch.Tensor
+    bs: int | torch.Tensor
+
+
+VerifyOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Verifier:
+    """One verify route: ``run(inputs, pad_bs)`` -> the whole batch's ``(predict [pad_bs,
+    N], accept_index [pad_bs, N], accept_length [pad_bs])`` on every rank (rows of
+    requests ``>= bs`` undefined).
+
+    Parameters
+    ----------
+    route : ``"swap"``, ``"argmax"``, ``"fused"`` or ``"local"`` (tp=1, no
+        communicator: the plain-decoding reference)
+    comm : DpSamplingComm or None
+    tp, rank, n, vocab_limit : int
+    sampling : SamplingParams or None (greedy)
+    clock : Clock
+    fence : Fence
+    """
+
+    def __init__(
+        self,
+        route: str,
+        comm: Any,
+        *,
+        tp: int,
+        rank: int,
+        n: int,
+        vocab_limit: int,
+        sampling: SamplingParams | None,
+        clock: Clock,
+        fence: Fence,
+    ) -> None:
+        if route == "argmax" and sampling is not None:
+            raise ValueError("the argmax route is greedy only (argmax_batch_vocab)")
+        if route == "fused" and not hasattr(comm, "verify_batch_vocab"):
+            raise ValueError("this ipc_dpsample has no DpSamplingComm.verify_batch_vocab")
+        self.route, self.comm = route, comm
+        self.tp, self.rank, self.n, self.vocab_limit = tp, rank, n, vocab_limit
+        self.sampling, self.clock, self.fence = sampling, clock, fence
+        self._top_k: dict[int, torch.Tensor] = {}
+        self._top_p: dict[int, torch.Tensor] = {}
+
+    def _op(self, name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """A collective op of the communicator: fenced and timed as communication."""
+        with self.clock.section("verify_comm"):
+            self.fence.before(name)
+            out = fn(*args, **kw)
+            self.fence.after(name)
+        return out
+
+    def _target(self, rows: torch.Tensor, x: StepInputs, req0: int, reqs: int) -> torch.Tensor:
+        """The target's token of every full row of requests ``req0 .. req0+reqs-1``."""
+        if self.sampling is None:
+            return torch.argmax(rows, dim=-1)
+        sl = slice(req0, req0 + reqs)
+        rep = self.n
+        position = x.offset[sl, None] + torch.arange(rep, device=rows.device)[None, :]
+        return sample_full_rows(
+            rows,
+            temperature=x.temperature[sl].repeat_interleave(rep),
+            seed=x.seed[sl].repeat_interleave(rep),
+            position=position.reshape(-1),
+            top_k=self.sampling.top_k,
+            top_p=self.sampling.top_p,
+        )
+
+    def run(self, x: StepInputs, pad_bs: int) -> VerifyOut:
+        r = pad_bs // self.tp
+        req0 = self.rank * r  # this rank's first request
+        comm, n = self.comm, self.n
+        if self.route == "local":
+            with self.clock.section("verify_math"):
+                rows = x.local_logits[:, : self.vocab_limit]
+                target = self._target(rows, x, 0, pad_bs).view(pad_bs, n)
+                return chain_verify(x.candidates, target)
+        if self.route == "fused":
+            return self._fused(x, pad_bs)
+        if self.route == "swap":
+            full = self._op("swap", comm.swap_batch_vocab, x.local_logits, pad_bs=pad_bs, bs=x.bs)
+            with self.clock.section("verify_math"):
+                rows = full[:, : self.vocab_limit]  # trim the padded vocabulary
+                target = self._target(rows, x, req0, r).view(r, n)
+        else:  # argmax: each rank reduces its shard; a few bytes per row move
+            ids, _ = self._op(
+                "argmax",
+                comm.argmax_batch_vocab,
+                x.local_logits,
+                pad_bs=pad_bs,
+                vocab_limit=self.vocab_limit,
+                bs=x.bs,
+            )
+            target = ids.view(r, n)
+        with self.clock.section("verify_math"):
+            p, a, length = chain_verify(x.candidates[req0 : req0 + r], target, req0)
+        return self._op("gather", comm.gather_verify_outputs, p, a, length, pad_bs=pad_bs, bs=x.bs)
+
+    def _fused(self, x: StepInputs, pad_bs: int) -> VerifyOut:
+        s = self.sampling
+        top_k = top_p = None
+        if s is not None and s.top_k is not None:
+            top_k = self._top_k.get(pad_bs)
+            if top_k is None:
+                top_k = torch.full((pad_bs,), s.top_k, dtype=torch.int32, device=x.seed.device)
+                self._top_k[pad_bs] = top_k
+        if s is not None and s.top_p is not None:
+            top_p = self._top_p.get(pad_bs)
+            if top_p is None:
+                top_p = torch.full((pad_bs,), s.top_p, dtype=torch.float32, device=x.seed.device)
+                self._top_p[pad_bs] = top_p
+        return self._op(
+            "verify",
+            self.comm.verify_batch_vocab,
+            x.local_logits,
+            x.candidates,
+            pad_bs=pad_bs,
+            temperature=x.temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=x.seed,
+            offset=x.offset,
+            vocab_limit=self.vocab_limit,
+            bs=x.bs,
+        )
