@@ -242,17 +242,24 @@ def test_argmax_check_data_matches_the_reference(dtype: str, limit: int | None) 
         full = bench.swap_expected(3, r, tp, pad_bs, n, vocab, dtype, "cpu")
         ids, lps = runners.argmax_expected(full, limit or vocab)
         assert ids.dtype == torch.int32 and np.array_equal(ids.numpy(), ref[r][0])
-        assert runners.close_logprobs(lps, torch.from_numpy(ref[r][1])) == ""
+        assert lps.dtype == torch.float64  # the reference is float64, not float32
+        # the layout's reference (float64, rounded to float32) is within the tolerance
+        assert runners.close_logprobs(torch.from_numpy(ref[r][1]), lps, limit or vocab) == ""
 
 
 def test_close_logprobs_is_nan_aware() -> None:
     a = torch.tensor([-1.0, float("nan"), float("-inf"), -2.0])
-    assert runners.close_logprobs(a, a.clone()) == ""
-    assert runners.close_logprobs(a, a + 5e-6) == ""  # NaN and -inf still match
-    msg = runners.close_logprobs(a, torch.tensor([-1.0, -3.0, float("-inf"), -2.1]))
-    assert msg.startswith("2 of 4 logprobs differ by more than 1e-05")
-    assert common.logprobs_close(a.numpy(), a.numpy() + 5e-6) == ""
-    assert "1 of 4 values differ" in common.logprobs_close(a.numpy(), a.numpy() - [0, 0, 0, 1])
+    assert runners.close_logprobs(a, a.double(), 1000) == ""
+    assert runners.close_logprobs(a, a.double() + 2e-6, 1000) == ""  # NaN, -inf still match
+    msg = runners.close_logprobs(a, torch.tensor([-1.0, -3.0, float("-inf"), -2.1]), 1000)
+    assert msg.startswith("2 of 4 logprobs differ from the float64 reference by more than")
+    assert "worst inf" in msg  # the NaN against -3 counts as infinitely far
+    assert common.logprobs_close(a.numpy(), a.numpy() + 2e-6, 1000) == ""
+    far = common.logprobs_close(a.numpy(), a.numpy() - [0, 0, 0, 1], 1000)
+    assert far.startswith("1 of 4 logprobs differ") and "first at 3" in far
+    # an infinity matches only itself, whatever the tolerance
+    assert "1 of 1" in common.logprobs_close(np.array([-1e30]), np.array([-np.inf]), 1000)
+    assert common.logprobs_close(a.numpy(), a.numpy() + 0.5, 1000, atol=0.6) == ""
 
 
 # -- end to end on the CPU --------------------------------------------------------------

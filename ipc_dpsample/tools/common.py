@@ -8,7 +8,8 @@ ranks.
   outputs for one round.
 * :func:`bits_equal`, :func:`to_torch`, :func:`to_numpy` compare and move data
   bit for bit (bfloat16 travels as its ``uint16`` pattern); :func:`logprobs_close`
-  compares the argmax's logprobs (within 1e-5, NaN-aware).
+  compares the argmax's float32 logprobs with a float64 reference, within
+  :func:`logprob_atol` (derived from float32's epsilon, NaN-aware).
 * :func:`rank_device` and :func:`stream_scope` set a rank up on its device and
   stream; :func:`spawn` starts ranks as threads or processes;
   :func:`failure_summary` turns a :class:`~ipc_dpsample.testing.RankFailure` into
@@ -17,6 +18,7 @@ ranks.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ __all__ = [
     "bits_equal",
     "detect_machine",
     "failure_summary",
+    "logprob_atol",
     "logprobs_close",
     "make_round",
     "rank_device",
@@ -351,21 +354,68 @@ def bits_equal(got: np.ndarray, expected: np.ndarray) -> str:
     )
 
 
-def logprobs_close(got: np.ndarray, expected: np.ndarray, atol: float = 1e-5) -> str:
-    """``""`` when float arrays agree within ``atol`` (NaN matches NaN, equal
-    infinities match), else what differs."""
+#: Headroom of :func:`logprob_atol` over its error estimate: the order of a
+#: reduction differs between the CPU's blocked sums and a GPU's thread trees.
+LOGPROB_HEADROOM = 2.0
+
+
+def logprob_atol(expected: np.ndarray, vocab: int) -> np.ndarray:
+    """Per-element tolerance of an argmax logprob computed in float32 against its
+    float64 reference ``expected`` (same shape), for rows of ``vocab`` counted columns.
+
+    The logits (bfloat16, float16 or float32) are decoded to float32 exactly, so
+    their dtype adds no error: the tolerance comes from the arithmetic, which is
+    float32. Every backend computes ``lp = -log(S)``, ``S = sum_j exp(x_j - max)``
+    (the winner's own term is 1). With ``eps`` float32's machine epsilon:
+
+    * ``S``'s relative error becomes ``lp``'s absolute error (``d(-log S) = -dS/S``);
+    * each term: ``x_j - max`` rounds by ``eps/2 |x_j - max|``, ``exp`` adds an ulp
+      (CUDA's ``__expf``: ``2 + 1.2 |x_j - max|`` ulp). Weighted by the softmax
+      ``p_j``, ``sum_j p_j |x_j - max| = H - |lp| <= ln(vocab)`` (``H`` its entropy):
+      at most ``eps (2 + 1.2 log2 vocab)``, however large the logits are;
+    * summing ``vocab`` positive terms in a reduction of depth ``log2 vocab``:
+      ``eps log2 vocab`` (a sequential sum's worst case, ``vocab * eps``, would
+      accept almost anything);
+    * the final ``log`` and the rounding of ``lp`` to float32: ``2 eps |lp|``.
+
+    Total ``eps (2 |lp| + 2.2 log2 vocab + 2)``, times :data:`LOGPROB_HEADROOM`:
+    1.1e-5 at ``vocab = 152064`` and ``|lp| = 3.5``, 9.7e-6 at 32000 and 3, 40 to 50
+    ulps of ``lp``. The library stays within 4.2e-7 there; float32
+    ``torch.log_softmax`` does not (up to 2.6e-5: it forms ``max + log S`` first and
+    rounds at the ulp of ``max``), which is why the reference is float64.
+    """
+    eps = float(np.finfo(np.float32).eps)
+    log2v = math.log2(max(int(vocab), 2))
+    magnitude = np.abs(np.asarray(expected, dtype=np.float64))
+    return LOGPROB_HEADROOM * eps * (2.0 * magnitude + 2.2 * log2v + 2.0)
+
+
+def logprobs_close(
+    got: np.ndarray, expected: np.ndarray, vocab: int, *, atol: float | None = None
+) -> str:
+    """``""`` when the float32 logprobs ``got`` agree with the reference ``expected``
+    (float64 where possible) within :func:`logprob_atol` for rows of ``vocab``
+    columns (or a fixed ``atol``); NaN matches NaN and an infinity only itself.
+    Else how many differ and the first one."""
     if got.shape != expected.shape:
         return f"shape {got.shape} != expected {expected.shape}"
     g, e = got.astype(np.float64), expected.astype(np.float64)
+    tol = logprob_atol(e, vocab) if atol is None else np.full(e.shape, float(atol))
     with np.errstate(invalid="ignore"):
-        ok = (g == e) | (np.isnan(g) & np.isnan(e)) | (np.abs(g - e) <= atol)
+        near = np.isfinite(e) & (np.abs(g - e) <= tol)
+        ok = (g == e) | (np.isnan(g) & np.isnan(e)) | near
     bad = np.flatnonzero(~ok.reshape(-1))
     if bad.size == 0:
         return ""
     i = int(bad[0])
+    with np.errstate(invalid="ignore"):  # inf - inf
+        err = np.abs(g - e).reshape(-1)[bad]
+    worst = float(np.nan_to_num(err, nan=np.inf).max())
     return (
-        f"{bad.size} of {g.size} values differ by more than {atol}; first at {i}: "
-        f"got {g.reshape(-1)[i]!r}, expected {e.reshape(-1)[i]!r}"
+        f"{bad.size} of {g.size} logprobs differ from the float64 reference by more than "
+        f"the float32 tolerance (worst {worst:.3g}); first at {i}: got "
+        f"{g.reshape(-1)[i]!r}, expected {e.reshape(-1)[i]!r} (tolerance "
+        f"{tol.reshape(-1)[i]:.3g})"
     )
 
 

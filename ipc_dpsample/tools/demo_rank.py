@@ -168,7 +168,7 @@ def _verify_round(
         rec = records[op]
         rec.checks += 1
         rec.bs_checks += bs is not None
-        diff = (logprobs_close if close else bits_equal)(got, exp)
+        diff = logprobs_close(got, exp, plan.vocab) if close else bits_equal(got, exp)
         if diff:
             rec.mismatches.append(f"{name}{'' if bs is None else f' (bs={bs})'}: {diff}")
 
