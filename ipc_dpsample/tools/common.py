@@ -12,6 +12,8 @@ ranks.
   :func:`logprob_atol` (derived from float32's epsilon, NaN-aware).
 * :func:`rank_device` and :func:`stream_scope` set a rank up on its device and
   stream; :func:`spawn` starts ranks as threads or processes;
+  :func:`ranks_share_gpu` says when their eager timings need the :class:`Gate`
+  (rank threads on one GPU), :func:`time_gated` times behind it;
   :func:`failure_summary` turns a :class:`~ipc_dpsample.testing.RankFailure` into
   one line naming the failing ranks and the first error.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,10 +42,13 @@ from ..layout import (
 __all__ = [
     "ARGMAX",
     "CPU_SHAPE",
+    "GATE_CYCLES",
+    "GATE_MAX_CYCLES",
     "GPU_SHAPE",
     "OPS",
     "DemoPlan",
     "DeviceKind",
+    "Gate",
     "Launch",
     "Machine",
     "NullCtx",
@@ -54,8 +60,10 @@ __all__ = [
     "logprobs_close",
     "make_round",
     "rank_device",
+    "ranks_share_gpu",
     "spawn",
     "stream_scope",
+    "time_gated",
     "to_numpy",
     "to_torch",
     "torch_gpu_count",
@@ -105,6 +113,9 @@ class DemoPlan:
     seed: int = 20261202
     timeout_s: float = 30.0
     note: str = ""
+    #: Time each op behind the :class:`Gate` (rank threads sharing one GPU, see
+    #: :func:`ranks_share_gpu`): device time after every rank is released at once.
+    gated: bool = False
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -475,6 +486,128 @@ def stream_scope(stream: Any) -> Any:
     import torch
 
     return torch.cuda.stream(stream)
+
+
+def ranks_share_gpu(launch: str, device: str) -> bool:
+    """Whether the ranks of a launch share one GPU: rank threads of this process
+    on GPU 0 (the tools start one process per GPU otherwise, and CPU ranks over
+    gloo). Their eager timings are then timed behind a :class:`Gate` by default:
+    ungated, each thread's events time its turn at the GIL, not the op."""
+    return device == "cuda" and launch == "threads"
+
+
+#: First length of the gate (GPU cycles of ``torch.cuda._sleep``, ~4 ms at 2 GHz),
+#: and the longest it grows to (~0.5 s).
+GATE_CYCLES = 8_000_000
+GATE_MAX_CYCLES = 1_000_000_000
+
+
+class Gate:
+    """Holds every rank thread's stream at one CUDA event until all of them have
+    issued a sample: their kernels then start together, so the time per op is the
+    device's, not the skew of Python threads taking turns at the GIL.
+
+    Rank 0 arms it (a sleep kernel on a side stream, then the event) before the
+    others issue; each rank's stream waits for the event. A gate that opened
+    before every rank had issued (:meth:`check_closed`) doubles its length and the
+    sample is taken again (:func:`time_gated`); ``early`` counts those samples and
+    ``skewed`` the ones kept anyway because the gate was at ``max_cycles`` (they
+    include launch skew). One object serves every rank thread of a launch; its
+    stream and event are made by the first rank that uses it, inside the rank
+    threads (after :func:`~ipc_dpsample.testing.run_threads` has set
+    ``CUDA_DEVICE_MAX_CONNECTIONS``).
+    """
+
+    def __init__(self, cycles: int = GATE_CYCLES, max_cycles: int = GATE_MAX_CYCLES) -> None:
+        if not 0 < cycles <= max_cycles:
+            raise ValueError(f"gate cycles={cycles} must be in 1..max_cycles={max_cycles}")
+        self.cycles = cycles
+        self.max_cycles = max_cycles
+        self.early = 0
+        self.skewed = 0
+        #: The last sample must be taken again (set by rank 0, read after a barrier).
+        self.retake = False
+        self._lock = threading.Lock()
+        self._cuda: tuple[Any, Any] | None = None
+
+    def _stream_event(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._cuda is None:
+                import torch
+
+                self._cuda = (torch.cuda.Stream(), torch.cuda.Event())
+            return self._cuda
+
+    def arm(self) -> None:
+        """Start the sleep kernel and record the event behind it (rank 0)."""
+        import torch
+
+        stream, event = self._stream_event()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(self.cycles)
+            event.record(stream)
+
+    def hold(self, stream: Any) -> None:
+        """Make ``stream`` wait until the gate opens."""
+        stream.wait_event(self._stream_event()[1])
+
+    def check_closed(self) -> None:
+        """After every rank has issued (rank 0): an open gate means the sample
+        includes launch skew; lengthen the gate and ask for a retake, unless the
+        gate is at its longest already."""
+        opened = bool(self._stream_event()[1].query())
+        self.retake = opened and self.cycles < self.max_cycles
+        if opened:
+            self.early += 1
+            if self.retake:
+                self.cycles = min(2 * self.cycles, self.max_cycles)
+            else:
+                self.skewed += 1
+
+
+def time_gated(
+    group: Any,
+    rank: int,
+    gate: Gate,
+    stream: Any,
+    body: Callable[[], Any],
+    *,
+    iters: int,
+    timeout_s: float,
+    repeat: int = 1,
+    calls: int = 1,
+) -> list[float]:
+    """Seconds per call of ``body``: ``iters`` samples, each ``repeat`` runs of
+    ``body`` (holding ``calls`` calls each) issued on ``stream`` behind ``gate``
+    and timed with CUDA events. Every rank thread of ``group`` calls it with the
+    same arguments; host barriers order the gate (armed by rank 0 before anyone
+    issues) and the check that it was still closed when all had issued. A sample
+    whose gate opened early is dropped by every rank and taken again."""
+    import torch
+
+    out: list[float] = []
+    taken = False
+    while True:
+        group.barrier(timeout_s=timeout_s, what="gated sample")
+        if taken and gate.retake:  # rank 0 set it before this barrier
+            out.pop()
+        if len(out) >= iters:
+            return out
+        if rank == 0:
+            gate.arm()
+        group.barrier(timeout_s=timeout_s, what="gate armed")
+        gate.hold(stream)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(stream)
+        for _ in range(repeat):
+            body()
+        end.record(stream)
+        group.barrier(timeout_s=timeout_s, what="sample issued")
+        if rank == 0:
+            gate.check_closed()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / (calls * repeat))
+        taken = True
 
 
 def spawn(

@@ -4,14 +4,15 @@ For every tensor-parallel size ``tp`` the sweep starts one set of ranks:
 
 * ``tp <= GPUs``: one process per GPU (``run_ranks``; NCCL and torch.distributed
   run there too);
-* ``tp > GPUs`` (e.g. one GPU): ``tp`` threads of one process on GPU 0
-  (``run_threads``; only the one-sided backend can run so);
+* ``tp > GPUs`` (e.g. one GPU) or ``--gated``: ``tp`` threads of one process on
+  GPU 0 (``run_threads``; only the one-sided backend can run so);
 * ``--cpu`` or no GPU: ``tp`` processes over gloo on the CPU.
 
 Each rank measures, for every point ``(op, dtype, pad_bs, bs, mode)``, every
 requested backend of :class:`~ipc_dpsample.DpSamplingComm` (checked before timing
-on the real rows: bit for bit, argmax logprobs within 1e-5; a graph's replay too)
-and, in the same run, the baselines:
+on the real rows: bit for bit; argmax logprobs against a float64 reference within
+:func:`~ipc_dpsample.tools.common.logprob_atol`; a graph's replay too) and, in the
+same run, the baselines:
 
 ``swap_argmax``, ``read_once`` (ops measured by every backend, with the argmax)
     The argmax's baselines: the backend's swap then ``torch.argmax`` over the
@@ -28,8 +29,14 @@ and, in the same run, the baselines:
 
 Timing: ranks meet at a host barrier before each point; every call (eager) or
 every replay of a CUDA graph holding ``--graph-ops`` calls (graph; divided by
-that count) is timed with CUDA events (``perf_counter`` on the CPU). A sample is
-the slowest rank's time for that call. Reported: median, p10, p90, bytes per
+that count) is timed with CUDA events (``perf_counter`` on the CPU). Rank threads
+sharing a GPU are gated by default (``LaunchPlan.gated``; ``--ungated`` turns it
+off): each sample waits behind a :class:`~ipc_dpsample.tools.common.Gate` until
+every rank has issued it (eager: ``--graph-ops`` calls back to back), so it is
+device time and not the threads' turns at the GIL (ungated, a 288-byte gather
+at tp=2 took 101 us eager against 4.1 us graph-replayed on an H200). Each
+table's first line says what was timed (:func:`~.output.timing_text`). A sample
+is the slowest rank's time for that call. Reported: median, p10, p90, bytes per
 rank, algorithmic and bus bandwidth, and ``vs_<baseline>`` = baseline median /
 median (above 1: faster than the baseline; against ``copy``: the fraction of the
 copy limit reached).
@@ -86,6 +93,7 @@ from .output import (
     make_rows,
     slowest,
     summarize,
+    timing_text,
     write_csv,
     write_json,
     write_plot,
@@ -122,6 +130,7 @@ __all__ = [
     "summarize",
     "swap_expected",
     "swap_input",
+    "timing_text",
     "write_csv",
     "write_json",
     "write_plot",
@@ -147,11 +156,12 @@ def run_launch(cfg: BenchConfig, lp: LaunchPlan) -> tuple[list[dict[str, Any]], 
             gate,
             timeout_s=cfg.timeout_s,
         )
-        early = sum(int(r.get("gate_early", 0)) for r in results)
-        if early:
+        skewed = sum(int(r.get("gate_skewed", 0)) for r in results)
+        if skewed:
+            cycles = max(int(r.get("gate_cycles", 0)) for r in results)
             print(
-                f"tp={lp.tp}: the gate opened before every rank had issued in {early} "
-                "samples (their time includes launch skew)",
+                f"tp={lp.tp}: the gate, at its longest ({cycles} GPU cycles), opened before "
+                f"every rank had issued in {skewed} samples (their time includes launch skew)",
                 file=sys.stderr,
             )
     except RankFailure as exc:
@@ -190,6 +200,7 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
             print(f"ranks failed:\n{error}", file=sys.stderr)
         rows += launch_rows
         if not lp.reason:
+            print(timing_text(cfg, lp))
             print(format_rows(launch_rows))
             for table in (format_bs_table(launch_rows), format_argmax_table(launch_rows)):
                 if table:
@@ -198,7 +209,7 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
     meta = {
         "config": dataclasses.asdict(cfg),
         "machine": dataclasses.asdict(machine),
-        "launches": [dataclasses.asdict(lp) for lp in plans],
+        "launches": [dataclasses.asdict(lp) | {"timing": timing_text(cfg, lp)} for lp in plans],
         "started": started,
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "host": os.uname().nodename,
@@ -223,7 +234,14 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
         print(f"FAILED: {len(failed)} points failed (see the note column)", file=sys.stderr)
     if not measured:
         print("FAILED: nothing was measured", file=sys.stderr)
-    return 0 if measured and not wrong and not failed else 1
+    good = bool(measured) and not wrong and not failed
+    if good:
+        checked = sum(r["verified"] is True for r in rows)
+        print(
+            f"OK: no point failed: {len(measured)} measured, {checked} of them checked "
+            "against the reference before timing"
+        )
+    return 0 if good else 1
 
 
 def _versions() -> dict[str, str | None]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ...arrays import ITEMSIZE, LOGITS_DTYPES
 from ...layout import Layout
-from ..common import ARGMAX, OPS, Machine
+from ..common import ARGMAX, OPS, Machine, ranks_share_gpu
 
 __all__ = [
     "ARGMAX_BASELINES",
@@ -115,9 +115,14 @@ class BenchConfig:
     verify: bool = True
     seed: int = 0
     timeout_s: float = 1800.0
-    #: Rank threads on one GPU whose streams wait at one CUDA event until every
-    #: rank has issued a sample: the time is the device's, not launch skew.
+    #: Every ``tp`` as rank threads on GPU 0, also where ``tp <= GPUs`` (which get a
+    #: process per GPU otherwise). Rank threads sharing a GPU are gated unless
+    #: ``ungated``: their streams wait at one CUDA event until every rank has issued
+    #: a sample, so the time is the device's, not launch skew.
     gated: bool = False
+    #: Time rank threads sharing a GPU without the gate (the host path: each
+    #: thread's eager calls as it gets its turn at the GIL).
+    ungated: bool = False
     #: Real batch sizes: one tuple per ``pad_bs`` (same order), or a single tuple
     #: for every ``pad_bs``; passed as ``bs=`` to every op. Empty: ``bs`` is not
     #: passed (every row moves; rows carry ``bs = pad_bs``).
@@ -180,6 +185,8 @@ class BenchConfig:
                 f"vocab_limit={self.vocab_limit} out of range: expected 1 <= vocab_limit <= "
                 f"vocab={self.vocab}"
             )
+        if self.gated and self.ungated:
+            raise ValueError("gated and ungated exclude each other (--gated, --ungated)")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
 
@@ -203,6 +210,10 @@ class LaunchPlan:
     modes : tuple of str
     reason : str
         Non-empty when the whole launch is skipped.
+    gated : bool
+        Eager and graph samples start behind the :class:`~ipc_dpsample.tools.common.Gate`:
+        the ranks share a GPU (:func:`~ipc_dpsample.tools.common.ranks_share_gpu`)
+        and ``--ungated`` was not given.
     """
 
     tp: int
@@ -275,8 +286,9 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
         )
         if not reason and not any(i in BACKEND_CHOICES for i in impls):
             reason = "none of the requested backends can run here"
+        gated = ranks_share_gpu(launch, device) and not cfg.ungated
         plans.append(
-            LaunchPlan(tp, launch, device, impls, tuple(skipped), pads, modes, reason, cfg.gated)
+            LaunchPlan(tp, launch, device, impls, tuple(skipped), pads, modes, reason, gated)
         )
     return plans
 

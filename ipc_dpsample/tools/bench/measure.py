@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..common import rank_device, stream_scope
+from ..common import GATE_CYCLES, Gate, rank_device, stream_scope, time_gated
 from .config import BenchConfig, LaunchPlan, points
 from .runners import Prepared, RankCtx, Runner, make_runner
 
@@ -87,77 +87,26 @@ def _time(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
     return [s.elapsed_time(e) / 1e3 / calls for s, e in zip(starts, ends, strict=True)]
 
 
-#: Length of the start gate (GPU cycles of ``torch.cuda._sleep``; ~60 ms at 2 GHz):
-#: longer than the rank threads need to issue one sample, so they all start at once.
-GATE_CYCLES = 120_000_000
-
-
-class Gate:
-    """Holds every rank thread's stream at one CUDA event until all of them have
-    issued a sample: the kernels then start together, so the time per op is the
-    device's, not the skew of Python threads taking turns at the GIL.
-
-    Rank 0 arms it (a sleep kernel on a side stream, then the event) before the
-    others issue; each rank's stream waits for the event. ``early`` counts samples
-    whose gate had opened before every rank had issued (they include launch skew;
-    a longer gate fixes it).
-    """
-
-    def __init__(self, cycles: int = GATE_CYCLES) -> None:
-        import torch
-
-        self.cycles = cycles
-        self.stream = torch.cuda.Stream()
-        self.event = torch.cuda.Event()
-        self.early = 0
-
-    def arm(self) -> None:
-        """Start the sleep kernel and record the event behind it (rank 0)."""
-        import torch
-
-        with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(self.cycles)
-            self.event.record(self.stream)
-
-    def hold(self, stream: Any) -> None:
-        """Make ``stream`` wait until the gate opens."""
-        stream.wait_event(self.event)
-
-    def check_closed(self) -> None:
-        """Count a sample whose gate opened before every rank had issued."""
-        if self.event.query():
-            self.early += 1
-
-
 def _time_gated(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float]:
-    """Like :func:`_time`, but each sample starts behind the shared :class:`Gate`;
+    """Like :func:`_time`, but each sample starts behind the shared
+    :class:`~ipc_dpsample.tools.common.Gate` (:func:`~ipc_dpsample.tools.common.time_gated`):
     an eager sample issues ``cfg.graph_ops`` calls back to back, a graph sample one
     replay (of ``calls`` calls)."""
-    import torch
-
-    cfg, gate, stream = ctx.cfg, ctx.gate, ctx.stream
+    cfg = ctx.cfg
     if calls > 1:
         body()  # the first replay uploads the graph
         ctx.sync_all()
-    repeat = cfg.graph_ops if calls == 1 else 1
-    out = []
-    for _ in range(cfg.iters):
-        ctx.host.barrier(timeout_s=cfg.timeout_s, what="gated sample")
-        if ctx.rank == 0:
-            gate.arm()
-        ctx.host.barrier(timeout_s=cfg.timeout_s, what="gate armed")
-        gate.hold(stream)
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record(stream)
-        for _ in range(repeat):
-            body()
-        end.record(stream)
-        ctx.host.barrier(timeout_s=cfg.timeout_s, what="sample issued")
-        if ctx.rank == 0:
-            gate.check_closed()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3 / (calls * repeat))
-    return out
+    return time_gated(
+        ctx.host,
+        ctx.rank,
+        ctx.gate,
+        ctx.stream,
+        body,
+        iters=cfg.iters,
+        timeout_s=cfg.timeout_s,
+        repeat=cfg.graph_ops if calls == 1 else 1,
+        calls=calls,
+    )
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -231,8 +180,14 @@ def bench_rank(
     finally:
         if bar is not None:
             bar.close()
-    early = gate.early if gate is not None and rank == 0 else 0
-    return {"samples": samples, "info": info, "gate_early": early}
+    mine = gate is not None and rank == 0
+    return {
+        "samples": samples,
+        "info": info,
+        "gate_early": gate.early if mine else 0,
+        "gate_skewed": gate.skewed if mine else 0,
+        "gate_cycles": gate.cycles if mine else 0,
+    }
 
 
 def _bench_impl(

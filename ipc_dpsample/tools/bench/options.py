@@ -136,11 +136,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="skip the bit-exact check before timing"
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per tp (default 1800)")
-    p.add_argument(
+    gate = p.add_mutually_exclusive_group()
+    gate.add_argument(
         "--gated",
         action="store_true",
-        help="rank threads on GPU 0 whose streams wait at one CUDA event until every rank "
-        "issued the sample, so the time is device time (one-sided backend and copy only)",
+        help="run every tp as rank threads sharing GPU 0, gated, also where tp <= GPUs (which "
+        "otherwise get one process per GPU, ungated); the one-sided backend and the copy only",
+    )
+    gate.add_argument(
+        "--ungated",
+        action="store_true",
+        help="time rank threads sharing a GPU without the gate: the host path, where each "
+        "thread's eager calls wait for its turn at the GIL (the table says so). By default "
+        "ranks sharing a GPU are gated: every rank's stream waits at one CUDA event until "
+        "all ranks have issued the sample, so eager and graph times are device time. One "
+        "process per GPU and the CPU are never gated (nothing shares a device; the CPU "
+        "path times wall clock)",
     )
     p.add_argument(
         "--bs",
@@ -192,6 +203,7 @@ def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfi
         verify=not ns.no_verify,
         timeout_s=float(ns.timeout),
         gated=bool(ns.gated),
+        ungated=bool(ns.ungated),
         bs=tuple(ns.bs or ()),
         vocab_limit=ns.vocab_limit,
     )

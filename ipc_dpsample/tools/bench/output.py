@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..common import ARGMAX, OPS
+from ..common import ARGMAX, OPS, ranks_share_gpu
 from .config import (
     ARGMAX_BASELINES,
     BASELINES,
@@ -30,10 +30,12 @@ __all__ = [
     "PLOT_HINT",
     "add_ratios",
     "format_rows",
+    "launch_label",
     "make_rows",
     "series_label",
     "slowest",
     "summarize",
+    "timing_text",
     "write_csv",
     "write_json",
     "write_plot",
@@ -81,7 +83,7 @@ def make_rows(
     rows = []
     base = {
         "tp": lp.tp,
-        "launch": lp.launch + (" gated" if lp.gated else ""),
+        "launch": launch_label(lp),
         "device": lp.device,
         "num_tokens": cfg.num_tokens,
         "vocab": cfg.vocab,
@@ -130,6 +132,43 @@ def make_rows(
             rows.append(row)
     add_ratios(rows)
     return rows
+
+
+def launch_label(lp: LaunchPlan) -> str:
+    """The ``launch`` column: ``processes``, ``threads gated`` or, for rank threads
+    sharing a GPU timed without the gate, ``threads ungated``."""
+    if lp.gated:
+        return f"{lp.launch} gated"
+    return f"{lp.launch} ungated" if ranks_share_gpu(lp.launch, lp.device) else lp.launch
+
+
+def timing_text(cfg: BenchConfig, lp: LaunchPlan) -> str:
+    """What a launch's times are, for the header of its table (one line)."""
+    g = cfg.graph_ops
+    graph = f"graph: one replay of a CUDA graph of {g} calls / {g}"
+    if lp.device == "cpu":
+        return (
+            f"timing: host wall clock (perf_counter) of each eager call on {lp.tp} CPU rank "
+            "processes over gloo, the slowest rank per sample"
+        )
+    if lp.gated:
+        return (
+            f"timing: gated device time: all {lp.tp} rank threads sharing GPU 0 are released "
+            "together (every rank's stream waits at one CUDA event until all have issued the "
+            f"sample); eager: {g} calls back to back / {g}; {graph}; CUDA events, the slowest "
+            "rank per sample"
+        )
+    if lp.launch == "threads":
+        return (
+            f"timing: host path, ungated (--ungated): {lp.tp} rank threads sharing GPU 0 "
+            "issue each eager call in their turn at the GIL, so its time includes that "
+            f"launch skew; {graph}; CUDA events, the slowest rank per sample"
+        )
+    return (
+        f"timing: CUDA events on each rank's stream, one process per GPU, not gated: eager "
+        f"calls issued back to back (an op shorter than its launch shows the host's issue "
+        f"time); {graph}; the slowest rank per sample"
+    )
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
