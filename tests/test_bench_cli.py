@@ -367,3 +367,27 @@ def test_progress_in_a_log_is_a_line_per_point_with_what_and_when(
     first = r"tp=8 threads cuda: 1/3 onesided swap bs=256 eager \(\d+\.\d s\)"
     assert re.fullmatch(first, lines[0])
     assert lines[1].startswith("tp=8 threads cuda: 2/3 onesided swap bs=8 eager (")
+
+
+def test_bench_cpu_run_passes_and_judges_no_target(tmp_path: Path) -> None:
+    """Issue 23: ``bench --cpu --iters 10 --warmup 2`` reported "8 points produced
+    wrong results" (the argmax logprobs against float32 ``log_softmax``) and
+    "MISSED" GPU targets. Small shapes, the CPU default vocab and every op."""
+    from test_cli import _run_cli
+
+    out = tmp_path / "bench"
+    proc = _run_cli(
+        "bench", "--cpu", "--iters", "10", "--warmup", "2", "--tp", "2", "--pad-bs", "8",
+        "--out", str(out), timeout=240,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "FAILED" not in text and "MISSED" not in text and "WRONG" not in text
+    assert "OK: no point failed" in proc.stdout
+    assert "timing: host wall clock (perf_counter)" in proc.stdout
+    assert "argmax_batch_vocab vs its baselines in the same run\n" in proc.stdout  # no targets
+    with (out / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    argmax = [r for r in rows if r["op"] == common.ARGMAX and r["status"] == "ok"]
+    assert {r["impl"] for r in argmax} == {"auto", "torch"}
+    assert all(r["verified"] == "True" and r["vocab"] == "32000" for r in argmax)

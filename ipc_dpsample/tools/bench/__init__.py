@@ -46,7 +46,8 @@ copy limit reached).
 ``--bs`` measures every op at several real batch sizes per ``pad_bs`` (bytes and
 GB/s count the real rows only); ``argmax_batch_vocab`` brings its baselines
 ``swap_argmax`` and ``read_once``, measured per backend. After each launch's rows
-come the ``bs`` scaling table (issue 13) and the argmax table (issue 14).
+come the ``bs`` scaling table (issue 13) and the argmax table (issue 14); their
+targets are judged only on GPU device time (gated eager rows, graph replays).
 
 Modules: :mod:`.config` (sweep, launch plan, points, bytes), :mod:`.options` (the
 command line), :mod:`.runners` (what a rank times), :mod:`.measure` (the rank

@@ -6,6 +6,13 @@
 * :func:`format_argmax_table` (issue 14): ``argmax_batch_vocab`` against its two
   baselines from the same run, ``swap_argmax`` (swap, then ``torch.argmax``) and
   ``read_once`` (``torch.amax`` over the shard's real rows), against the targets.
+
+The targets were set for, and measured as, device time on a GPU: ranks released
+together behind the gate (gated eager) or CUDA-graph replays (BENCHMARKS.md: tp=8
+on one H200, gated). :func:`target_reason` says where they do not apply: CPU
+rows (wall clock over gloo) and eager rows timed without the gate (host issue
+time, launch skew). There a table says ``n/a`` with a footnote, and a table
+without any row they apply to leaves them out.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ __all__ = [
     "bs_target",
     "format_argmax_table",
     "format_bs_table",
+    "target_reason",
 ]
 
 #: Issue 13: ``time(bs) / time(bs=pad_bs)`` at most this, keyed by ``bs / pad_bs``
@@ -29,6 +37,25 @@ BS_TARGETS: dict[float, float] = {130 / 256: 0.56, 8 / 256: 0.08}
 #: Issue 14: the argmax at least this many times faster than swap + argmax, and at
 #: most this many times the read-once time.
 ARGMAX_TARGETS: dict[str, float] = {"vs_swap_argmax": 2.3, "over_read_once": 1.3}
+
+
+def target_reason(row: Mapping[str, Any]) -> str:
+    """``""`` when the issue targets apply to ``row``'s timing (GPU, graph replay
+    or gated eager), else why they do not (short, for a footnote)."""
+    if row.get("device") != "cuda":
+        return "CPU rows time wall clock over gloo"
+    if row.get("mode") != "graph" and str(row.get("launch", "")).split()[-1:] != ["gated"]:
+        return "eager rows without the gate time host issue and launch skew"
+    return ""
+
+
+def _footnote(reasons: set[str]) -> list[str]:
+    if not reasons:
+        return []
+    return [
+        "  n/a: the targets are set for device time on a GPU (gated eager, graph replays); "
+        + "; ".join(sorted(reasons))
+    ]
 
 
 def bs_target(bs: int, pad_bs: int) -> float | None:
@@ -59,8 +86,10 @@ def format_bs_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The ``bs`` scaling table ("" when no op was measured at two ``bs`` values).
 
     One line per (op, impl, dtype, pad_bs, bs); per mode the median (us) and
-    ``time / time(bs=pad_bs)``; ``target`` says whether every mode met the
-    issue's ratio (:func:`bs_target`)."""
+    ``time / time(bs=pad_bs)``; ``target`` says whether every mode the target
+    applies to (:func:`target_reason`) met the issue's ratio (:func:`bs_target`),
+    naming those modes when not all do, ``n/a`` when none does. Without a mode
+    it applies to anywhere in the table, no target column."""
     ok = [r for r in _ok(rows) if r["op"] in OPS]
     groups: dict[tuple[Any, ...], dict[tuple[int, str], Mapping[str, Any]]] = {}
     for r in ok:
@@ -70,72 +99,99 @@ def format_bs_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not groups:
         return ""
     modes = [m for m in ("eager", "graph") if any(m == k[1] for g in groups.values() for k in g)]
+    judged = any(not target_reason(r) for g in groups.values() for r in g.values())
     head = ["op", "impl", "dtype", "pad_bs", "bs", "bs/pad_bs"]
     for m in modes:
         head += [f"{m} us", f"{m} ratio"]
-    table = [[*head, "target"]]
+    table = [[*head, "target"] if judged else head]
+    reasons: set[str] = set()
     for (op, impl, dtype, pad_bs), g in groups.items():
         for bs in sorted({bs for bs, _ in g}, reverse=True):
             line = [op, impl, dtype, str(pad_bs), str(bs), f"{bs / pad_bs:.3f}"]
-            ratios = []
+            ratios: dict[str, float] = {}
+            why: dict[str, str] = {}
             for m in modes:
                 r, full = g.get((bs, m)), g.get((pad_bs, m))
                 ratio = float(r["median_us"]) / float(full["median_us"]) if r and full else None
-                ratios += [] if ratio is None else [ratio]
+                if ratio is not None:
+                    ratios[m] = ratio
+                    why[m] = target_reason(r)  # type: ignore[arg-type]
                 line += [_us(r and r["median_us"]), "-" if ratio is None else f"{ratio:.3f}"]
             target = bs_target(bs, pad_bs) if bs != pad_bs else None
-            verdict = "" if target is None else f"<= {target}: "
-            if target is not None:
-                verdict += "met" if ratios and max(ratios) <= target else "MISSED"
-            table.append([*line, verdict])
-    intro = (
-        "bs scaling: median us at each real batch size and ratio = time / time at "
-        "bs=pad_bs (issue 13: bs=130 <= 0.56, bs=8 <= 0.08 of bs=256)"
-    )
+            if judged:
+                line.append(_bs_verdict(target, ratios, why, reasons))
+            table.append(line)
+    intro = "bs scaling: median us at each real batch size and ratio = time / time at bs=pad_bs"
+    if judged:
+        intro += " (issue 13: bs=130 <= 0.56, bs=8 <= 0.08 of bs=256)"
     device = any(r.get("bs_arg") == "device" for r in ok)
     how = "; graph: bs is a device int32 tensor, eager: a host int" if device else ""
-    return "\n".join([intro + how, *_render(table)])
+    return "\n".join([intro + how, *_render(table), *_footnote(reasons)])
+
+
+def _bs_verdict(
+    target: float | None, ratios: dict[str, float], why: dict[str, str], reasons: set[str]
+) -> str:
+    """The target cell of one line of :func:`format_bs_table` (adds to ``reasons``
+    why a mode is not judged)."""
+    if target is None:
+        return ""
+    judged = {m: v for m, v in ratios.items() if not why[m]}
+    skipped = {why[m] for m in ratios if why[m]}
+    if not judged:
+        reasons |= skipped
+        return "n/a" if skipped else ""
+    verdict = f"<= {target}: " + ("met" if max(judged.values()) <= target else "MISSED")
+    if skipped:
+        reasons |= skipped
+        verdict += f" ({', '.join(judged)}; n/a for {', '.join(m for m in ratios if why[m])})"
+    return verdict
 
 
 def format_argmax_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """``argmax_batch_vocab`` against ``swap_argmax`` and ``read_once`` of the same
-    impl and point ("" when no argmax was measured)."""
+    impl and point ("" when no argmax was measured); the targets only on rows they
+    apply to (:func:`target_reason`; ``n/a`` and a footnote on the others, no
+    targets column when they apply to none)."""
     ok = _ok(rows)
     med = {
         (r["op"], r["impl"], r["dtype"], r["pad_bs"], r["bs"], r["mode"]): float(r["median_us"])
         for r in ok
     }
+    argmax = [r for r in ok if r["op"] == ARGMAX]
+    if not argmax:
+        return ""
+    judged = any(not target_reason(r) for r in argmax)
     head = ["impl", "dtype", "pad_bs", "bs", "mode", "argmax us", "swap+argmax us"]
-    head += ["read_once us", "speedup vs swap+argmax", "argmax / read_once", "targets"]
-    table = [head]
-    for r in ok:
-        if r["op"] != ARGMAX:
-            continue
+    head += ["read_once us", "speedup vs swap+argmax", "argmax / read_once"]
+    table = [[*head, "targets"] if judged else head]
+    reasons: set[str] = set()
+    for r in argmax:
         point = (r["impl"], r["dtype"], r["pad_bs"], r["bs"], r["mode"])
         me, swap = med[(ARGMAX, *point)], med.get(("swap_argmax", *point))
         read = med.get(("read_once", *point))
         speedup = swap / me if swap else None
         over = me / read if read else None
-        verdict = []
-        if speedup is not None:
-            goal = ARGMAX_TARGETS["vs_swap_argmax"]
-            verdict.append(f">= {goal}x " + ("met" if speedup >= goal else "MISSED"))
-        if over is not None:
-            goal = ARGMAX_TARGETS["over_read_once"]
-            verdict.append(f"<= {goal} " + ("met" if over <= goal else "MISSED"))
-        table.append(
-            [str(v) for v in point]
-            + [_us(me), _us(swap), _us(read)]
-            + [
-                "-" if speedup is None else f"{speedup:.2f}x",
-                "-" if over is None else f"{over:.2f}",
-            ]
-            + [", ".join(verdict)]
-        )
-    if len(table) == 1:
-        return ""
-    intro = (
-        "argmax_batch_vocab vs its baselines in the same run (issue 14: >= 2.3x faster "
-        "than swap+argmax, <= 1.3x read-once)"
-    )
-    return "\n".join([intro, *_render(table)])
+        line = [str(v) for v in point] + [_us(me), _us(swap), _us(read)]
+        line += [
+            "-" if speedup is None else f"{speedup:.2f}x",
+            "-" if over is None else f"{over:.2f}",
+        ]
+        if judged:
+            why = target_reason(r)
+            verdict = []
+            if why:
+                reasons.add(why)
+                verdict.append("n/a")
+            if speedup is not None and not why:
+                goal = ARGMAX_TARGETS["vs_swap_argmax"]
+                verdict.append(f">= {goal}x " + ("met" if speedup >= goal else "MISSED"))
+            if over is not None and not why:
+                goal = ARGMAX_TARGETS["over_read_once"]
+                verdict.append(f"<= {goal} " + ("met" if over <= goal else "MISSED"))
+            line.append(", ".join(verdict))
+        table.append(line)
+    intro = "argmax_batch_vocab vs its baselines in the same run"
+    if judged:
+        intro += " (issue 14: >= 2.3x faster than swap+argmax, <= 1.3x read-once)"
+    return "\n".join([intro, *_render(table), *_footnote(reasons)])
