@@ -996,3 +996,84 @@ def group_steps_diverge(rank: int, tp: int, group: Any) -> list[str]:
         raise AssertionError(f"rank {rank}: '{what}' paired with another step")
     host.barrier(timeout_s=30, what="after the divergence")
     return [message]
+
+
+# -- issue 23 point 5: the CPU swap does not depend on torch's thread count --------------
+def _os_threads() -> int | None:
+    """Threads of this process (Linux), or None where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def torch_swap_threads_bit_exact(rank: int, tp: int, group: Any, seed: int) -> int:
+    """Swaps big enough that a torch copy would fan out to the intra-op pool (more
+    than 32 K elements per copy), every dtype, torch/NumPy/requires-grad inputs and a
+    host ``bs``, with ``torch.set_num_threads(1)`` and with 4 threads: bit-exact
+    against the reference each time. Restores the thread count. Returns the checks."""
+    from ipc_dpsample.layout import real_reqs
+
+    before = torch.get_num_threads()
+    checked = 0
+    n, max_pad_bs, shard = 4, 4 * tp, 4096
+    try:
+        for threads in (1, 4, 1):
+            torch.set_num_threads(threads)
+            for dtype in LOGITS_DTYPES:
+                with _comm(
+                    rank, tp, group, max_pad_bs=max_pad_bs, num_tokens_per_req=n,
+                    vocab_size=shard * tp, logits_dtype=dtype,
+                ) as comm:  # fmt: skip
+                    chk = Checker(comm, rank, tp, seed + threads)
+                    for pad_bs in (tp, max_pad_bs):
+                        chk.swap(pad_bs)
+                        chk.swap(pad_bs, "numpy" if dtype != "bfloat16" else "torch")
+                    key = (seed, threads, len(dtype))
+                    xs = [
+                        random_logits((*key, s), (max_pad_bs * n, shard), dtype) for s in range(tp)
+                    ]
+                    full = reference_swap_batch_vocab(
+                        [bits(x) for x in xs], tp=tp, num_tokens_per_req=n, pad_bs=max_pad_bs
+                    )[rank]
+                    mine = xs[rank].clone().requires_grad_(True)
+                    got = comm.swap_batch_vocab(mine, pad_bs=max_pad_bs)
+                    assert_bits(f"swap(requires_grad, {threads} threads)", got, full, "torch")
+                    bs = max_pad_bs // tp + 1  # rank 0 full, rank 1 one request, others none
+                    got = comm.swap_batch_vocab(xs[rank], pad_bs=max_pad_bs, bs=bs)
+                    real = real_reqs(max_pad_bs // tp, bs, rank) * n
+                    assert_bits(f"swap(bs={bs})", got[:real], full[:real], "torch")
+                    checked += chk.checked + 2
+    finally:
+        torch.set_num_threads(before)
+    return checked
+
+
+def torch_swap_starts_no_pool_threads(rank: int, tp: int, group: Any) -> tuple[int, int]:
+    """With 4 intra-op threads allowed and the pool not started yet, swaps whose copies
+    are far above torch's parallel grain size start no thread: the swap's CPU hot
+    path never enters the intra-op (OpenMP) pool. Returns the process's thread count
+    before and after (both -1 where /proc is missing)."""
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    pad_bs, n, shard = 16 * tp, 4, 4096
+    try:
+        # inputs built without any torch kernel (a torch op could start the pool)
+        raw = _rng(rank, 23).integers(1, 2**14, (pad_bs * n, shard), dtype=np.int16)
+        x = torch.from_numpy(raw).view(torch.bfloat16)
+        with _comm(
+            rank, tp, group, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=shard * tp,
+            logits_dtype="bfloat16",
+        ) as comm:  # fmt: skip
+            before = _os_threads()
+            for p in (tp, pad_bs, pad_bs // 2, pad_bs):
+                comm.swap_batch_vocab(x[: p * n], pad_bs=p)
+            after = _os_threads()
+    finally:
+        torch.set_num_threads(before_threads)
+    if before is None or after is None:
+        return -1, -1
+    assert after == before, (
+        f"rank {rank}: {after - before} thread(s) started during the swaps (the intra-op pool?)"
+    )
+    return before, after

@@ -228,10 +228,14 @@ class TorchBackend(TorchPlans, Backend):
             plan = self._plans[key] = build()
         return plan
 
-    def _exchange(self, call: Call, plan: _Plan) -> None:
+    def _exchange(self, call: Call, plan: _Plan, during: Callable[[], Any] | None = None) -> None:
         """Send the plan's blocks (headers written here), wait (bounded), and raise on
-        every rank if any peer's header differs from this rank's."""
+        every rank if any peer's header differs from this rank's. ``during`` (local
+        work that touches neither the send nor the receive buffer) runs while the
+        collective is in flight."""
         if self._tp == 1:
+            if during is not None:
+                during()
             return
         if self._cpu:
             self._send_w[plan.send_hdr] = self._hdr
@@ -243,6 +247,8 @@ class TorchBackend(TorchPlans, Backend):
             work = self._pg.alltoall_base(
                 self._recv, plan.send, self._recv_splits, plan.send_splits
             )
+            if during is not None:
+                during()
             self._wait(work)
         except Exception as exc:
             raise self._fail(call, exc) from exc
@@ -304,14 +310,27 @@ class TorchBackend(TorchPlans, Backend):
         with self._stream_ctx(stream):
             call, real = self._begin(Op.SWAP, dtype, pad_bs, bs)
             plan = self._plan((Op.SWAP, pad_bs, real), lambda: self._swap_plan(pad_bs, real))
-            src = t.view(-1).view(torch.uint8)
+            if self._cpu:
+                # On the host the copies are NumPy copies (memmove) of the same memory,
+                # never torch copies: a torch copy of more than 32 K elements fans out to
+                # the intra-op (OpenMP) pool, and with ranks x threads > cores (two ranks
+                # and torch's default threads on two cores) waking that pool after a
+                # blocking collective cost milliseconds per copy, 10x the copy itself
+                # (bench_torch_cpu.py). NumPy copies run on the calling thread (GIL
+                # released), so the swap costs the same whatever torch's thread count.
+                src = (t.detach() if t.requires_grad else t).view(torch.uint8).numpy()
+                src = src.reshape(-1)
+                copy = np.copyto
+            else:
+                src, copy = t.view(-1).view(torch.uint8), torch.Tensor.copy_
             for dst, lo, hi in plan.pack:
-                dst.copy_(src[lo:hi])
-            self._exchange(call, plan)
+                copy(dst, src[lo:hi])
             own_out, lo, hi = plan.extra
-            own_out.copy_(src[lo:hi].view(own_out.shape))
+            # this rank's own rows are copied while the peers' travel (as gloo's own
+            # all_to_all_single copies the self block in its worker thread)
+            self._exchange(call, plan, lambda: copy(own_out, src[lo:hi].reshape(own_out.shape)))
             for dst, got in plan.unpack:
-                dst.copy_(got)
+                copy(dst, got)
         return self._out(info.kind, "swap", pad_bs, self.out_swap[: pad_bs // self._tp * self._n])
 
     def gather_verify_outputs(

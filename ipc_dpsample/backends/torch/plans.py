@@ -29,8 +29,9 @@ class _Plan(NamedTuple):
     send: torch.Tensor  # uint8, the packed blocks for the peers
     send_splits: list[int]  # bytes to each rank (0 to itself)
     send_hdr: Any  # int32 word indices of the headers in the send buffer [peers, 4]
-    pack: list[tuple[torch.Tensor, int, int]]  # (send payload view, src byte lo, hi)
-    unpack: list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, received view)
+    # swap on CPU: NumPy views (np.ndarray) of the same memory, else torch views
+    pack: list[tuple[Any, int, int]]  # (send payload view, src byte lo, hi)
+    unpack: list[tuple[Any, Any]]  # (destination view, received view)
     extra: tuple[Any, ...] = ()  # op-specific views
 
 
@@ -107,6 +108,10 @@ class TorchPlans:
             unpack.append((out3[:mine, p0:p1], got.view(p1 - p0, mine, rowbytes).transpose(0, 1)))
         own_lo = me * r * n * rowbytes
         extra = (out3[:mine, me], own_lo, own_lo + mine * rowbytes)
+        if self._cpu:  # NumPy views of the same memory: see TorchBackend.swap_batch_vocab
+            pack = [(dst.numpy(), lo, hi) for dst, lo, hi in pack]
+            unpack = [(dst.numpy(), got.numpy()) for dst, got in unpack]
+            extra = (extra[0].numpy(), *extra[1:])
         return _Plan(send, splits, hdr, pack, unpack, extra)
 
     def _gather_plan(
