@@ -3,10 +3,11 @@ this machine and prove them.
 
 The demo starts as many ranks as the machine supports, feeds every op random
 data (never zeros), compares every result with the NumPy reference of
-:mod:`ipc_dpsample.layout` (bit for bit; the argmax's logprobs within 1e-5), once
+:mod:`ipc_dpsample.layout` (bit for bit; the argmax's logprobs within
+:func:`~ipc_dpsample.tools.common.logprob_atol` of the float64 reference), once
 also with a real batch ``bs < pad_bs`` (real rows only), times the ops and prints
-one short table. It exits with 1 when any rank fails or any output differs from
-the reference.
+one short table whose header says what was timed (:func:`timing_text`). It exits
+with 1 when any rank fails or any output differs from the reference.
 
 How ranks are laid out (:func:`plan_demo`):
 
@@ -14,6 +15,12 @@ How ranks are laid out (:func:`plan_demo`):
 * exactly one GPU: ``K`` ranks as threads of this process on that GPU
   (``run_threads``, default 4) when the one-sided backend imports, else one rank;
 * no GPU (or ``--cpu``): 4 processes over gloo on the CPU.
+
+Rank threads sharing the GPU time every call behind a
+:class:`~ipc_dpsample.tools.common.Gate` (``DemoPlan.gated``): the device time of
+the op with every rank released at once. Ungated (``--ungated``), the time of a
+small op is the threads' turns at the GIL (260 us for a gather that takes a few
+us on the device, seen on an H200 with four rank threads).
 
 Shared pieces (machine detection, the plan, seeded data, spawning ranks) live in
 :mod:`ipc_dpsample.tools.common`; the rank body :func:`demo_rank`
@@ -41,11 +48,13 @@ from .common import (
     OPS,
     DemoPlan,
     DeviceKind,
+    Gate,
     Launch,
     Machine,
     detect_machine,
     failure_summary,
     make_round,
+    ranks_share_gpu,
     spawn,
 )
 from .demo_rank import demo_rank
@@ -59,6 +68,7 @@ __all__ = [
     "run",
     "run_demo",
     "slowest_rank_times",
+    "timing_text",
 ]
 
 #: Ranks on a CPU-only machine and as threads on a single GPU.
@@ -77,6 +87,7 @@ def plan_demo(
     backend: str = "auto",
     iters: int = 20,
     cpu: bool = False,
+    ungated: bool = False,
 ) -> DemoPlan:
     """Choose ranks and shapes for this machine (pure: no probing, no devices).
 
@@ -91,6 +102,9 @@ def plan_demo(
         Timed calls of each op.
     cpu : bool
         Use the CPU path even where GPUs exist.
+    ungated : bool
+        Time rank threads sharing a GPU as their calls are issued (the host path)
+        instead of behind the gate (:attr:`DemoPlan.gated`, the default there).
 
     Raises
     ------
@@ -109,6 +123,7 @@ def plan_demo(
         iters=iters,
         note=note,
         shape=GPU_SHAPE if device == "cuda" else CPU_SHAPE,
+        gated=ranks_share_gpu(launch, device) and not ungated,
     )
 
 
@@ -170,7 +185,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 240.0) -> list[dict[str, Any]
     shared = None
     if plan.launch == "threads":  # threads share one copy of the data
         shared = [make_round(plan, k) for k in range(plan.rounds)]
-    return spawn(plan.launch, plan.device, plan.world, demo_rank, plan, shared, timeout_s=timeout_s)
+    gate = Gate() if plan.gated else None  # one object for every rank thread
+    return spawn(
+        plan.launch, plan.device, plan.world, demo_rank, plan, shared, gate, timeout_s=timeout_s
+    )
 
 
 def mismatches(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -202,8 +220,37 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def timing_text(plan: DemoPlan) -> tuple[str, str]:
+    """What the demo's times are: a short label for the time columns and one line
+    for the table's header."""
+    w = plan.world
+    if plan.device == "cpu":
+        return "wall clock", (
+            f"timing: host wall clock (perf_counter) of each call, the slowest of the {w} CPU "
+            "rank processes per call"
+        )
+    if plan.gated:
+        return "gated", (
+            f"timing: gated device time: the {w} rank threads sharing the GPU are released "
+            "together for every call (each rank's stream waits at one CUDA event until all "
+            "have issued it); CUDA events, the slowest rank per call"
+        )
+    if plan.launch == "threads":
+        return "host path", (
+            f"timing: host path, ungated (--ungated): the {w} rank threads sharing the GPU "
+            "issue each call in their turn at the GIL, so its time includes that launch "
+            "skew; CUDA events, the slowest rank per call"
+        )
+    return "events", (
+        f"timing: CUDA events around each call on each rank's stream, {w} process"
+        f"{'es' if w > 1 else ''}, one per GPU (not gated: no GPU is shared); the slowest "
+        "rank per call"
+    )
+
+
 def format_report(plan: DemoPlan, results: Sequence[dict[str, Any]]) -> str:
-    """The demo's table: backend, shapes, bytes, median and p90 time, verification."""
+    """The demo's table: backend, shapes, bytes, median and p90 time (what was timed
+    in the header: :func:`timing_text`), verification."""
     backends = sorted({res["backend"] for res in results})
     explain = results[0]["explain"] if results else ""
     lines = [
@@ -212,9 +259,11 @@ def format_report(plan: DemoPlan, results: Sequence[dict[str, Any]]) -> str:
         f"shapes: pad_bs={plan.pad_bs}, N={plan.num_tokens}, V={plan.vocab}, "
         f"{plan.dtype}, tp={plan.world}; {plan.rounds + 1} verified rounds and one with "
         f"bs={plan.bs} real requests (real rows checked), {plan.iters} timed calls per op",
-        "",
     ]
-    header = ("op", "input/rank", "output/rank", "dtype", "bytes/rank", "median", "p90", "verified")
+    label, timing = timing_text(plan)
+    lines += [timing, ""]
+    header = ("op", "input/rank", "output/rank", "dtype", "bytes/rank")
+    header += (f"median ({label})", f"p90 ({label})", "verified")
     rows = [header]
     for op in OPS:
         times = slowest_rank_times(results, op)
@@ -259,6 +308,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed calls per op (default: 20)")
     p.add_argument("--cpu", action="store_true", help="use the CPU path even where GPUs exist")
     p.add_argument(
+        "--ungated",
+        action="store_true",
+        help="rank threads sharing a GPU: time each call as issued (the host path, which "
+        "includes their turns at the GIL) instead of behind the gate (the default there: "
+        "every rank's stream waits at one CUDA event until all ranks have issued the call, "
+        "so the time is device time); one process per GPU and the CPU are never gated",
+    )
+    p.add_argument(
         "--dtype",
         default=None,
         help="logits dtype (bf16, fp16, fp32; default: bf16 on GPUs, fp32 on the CPU)",
@@ -287,6 +344,7 @@ def run(ns: argparse.Namespace) -> int:
             backend=ns.backend,
             iters=ns.iters,
             cpu=ns.cpu,
+            ungated=ns.ungated,
         )
         if ns.dtype is not None:
             plan = replace(plan, dtype=normalize_dtype(ns.dtype))
@@ -309,7 +367,7 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     print(
         "\nOK: every output matches the NumPy reference: bit for bit, argmax logprobs within "
-        f"1e-5 ({elapsed:.1f} s)"
+        f"the float32 tolerance of the float64 reference ({elapsed:.1f} s)"
     )
     return 0
 

@@ -1,7 +1,8 @@
 """The rank body of ``ipc-dpsample demo`` (:func:`demo_rank`, reused by ``doctor``
 for its self-tests): verify every op against the NumPy reference of
 :mod:`ipc_dpsample.layout` over several rounds of fresh data, once with a real
-batch ``bs < pad_bs`` (real rows only), time the ops, and verify again.
+batch ``bs < pad_bs`` (real rows only), time the ops (behind the start gate when
+rank threads share a GPU), and verify again.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from .common import (
     ARGMAX,
     OPS,
     DemoPlan,
+    Gate,
     RankData,
     bits_equal,
     logprobs_close,
     make_round,
     rank_device,
     stream_scope,
+    time_gated,
     to_numpy,
     to_torch,
 )
@@ -68,12 +71,23 @@ def _timer(cuda: bool, stream: Any, issued: Any = None) -> Any:
     return time_cuda
 
 
+def _gated_timer(group: Any, rank: int, gate: Gate, stream: Any, timeout_s: float) -> Any:
+    """A timer like :func:`_timer`'s whose every call starts behind ``gate`` on every
+    rank thread at once (:func:`~ipc_dpsample.tools.common.time_gated`)."""
+
+    def time_gated_calls(fn: Any, n: int) -> list[float]:
+        return time_gated(group, rank, gate, stream, fn, iters=n, timeout_s=timeout_s)
+
+    return time_gated_calls
+
+
 def demo_rank(
     rank: int,
     world: int,
     group: Any,
     plan: DemoPlan,
     shared: list[list[RankData]] | None = None,
+    gate: Gate | None = None,
 ) -> dict[str, Any]:
     """Body of one demo rank (for ``run_ranks`` / ``run_threads``).
 
@@ -88,6 +102,9 @@ def demo_rank(
     plan : DemoPlan
     shared : list of rounds of per-rank data, or None
         Prebuilt data (threads share one copy); None builds it here.
+    gate : Gate or None
+        The gate every rank thread times its calls behind (``plan.gated``); None
+        times each call as issued.
 
     Returns
     -------
@@ -116,7 +133,11 @@ def demo_rank(
             for round_ in range(plan.rounds):
                 _verify_round(comm, plan, data(round_), device, records, issued)
             _verify_round(comm, plan, data(0), device, records, issued, bs=plan.bs)
-            _time_ops(comm, plan, data(plan.rounds - 1), device, records, stream, issued)
+            if gate is not None:
+                timer = _gated_timer(group, rank, gate, stream, plan.timeout_s)
+            else:
+                timer = _timer(cuda, stream, issued)
+            _time_ops(comm, plan, data(plan.rounds - 1), device, records, timer)
             _verify_round(comm, plan, data(0), device, records, issued)  # reused buffers
         finally:
             comm.close()
@@ -200,12 +221,11 @@ def _time_ops(
     d: RankData,
     device: Any,
     records: dict[str, _OpRecord],
-    stream: Any,
-    issued: Any = None,
+    timer: Any,
 ) -> None:
+    """``plan.iters`` timed calls of every op (``timer(fn, n)``: seconds per call)."""
     t = _tensors(d, plan, device)
     pad_bs = plan.pad_bs
-    timer = _timer(plan.device == "cuda", stream, issued)
     calls = {
         "swap_batch_vocab": lambda: comm.swap_batch_vocab(t["logits"], pad_bs=pad_bs),
         "gather_verify_outputs": lambda: comm.gather_verify_outputs(
