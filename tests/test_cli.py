@@ -94,6 +94,37 @@ def test_parser_knows_every_subcommand() -> None:
     assert ns.func is bench.run
 
 
+@pytest.mark.parametrize("command", ["demo", "bench", "doctor"])
+def test_subcommand_help_is_plain_complete_sentences(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` shows the whole description (not its first line cut mid-sentence),
+    with no reST markup; every paragraph ends a sentence."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "`" not in text and ":func:" not in text and ":mod:" not in text
+    module = {"demo": demo, "bench": bench, "doctor": doctor}[command]
+    description = module.DESCRIPTION
+    assert description in text  # verbatim: as wrapped by hand, nothing cut
+    paragraphs = [p for p in description.split("\n\n") if p.strip()]
+    assert len(paragraphs) >= 2 and "Exit status" in paragraphs[-1]
+    for p in paragraphs:
+        assert p.rstrip().endswith("."), p
+        assert all(len(line) <= 79 for line in p.splitlines()), p
+    head = text.split("\n\n")
+    assert head[0].startswith(f"usage: ipc-dpsample {command}")
+    assert head[1] == paragraphs[0]  # the description comes right after the usage
+
+
+def test_top_level_help_has_no_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "`" not in text and all(c in text for c in ("demo", "doctor", "bench"))
+
+
 @pytest.mark.parametrize(
     "argv",
     [

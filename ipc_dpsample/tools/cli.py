@@ -60,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("doctor", doctor, "check this machine and say which backend would run"),
         ("bench", bench, "benchmark backends against NCCL, torch and the copy limit"),
     ):
-        p = sub.add_parser(name, help=text, description=(module.__doc__ or text).split("\n")[0])
+        # DESCRIPTION: plain sentences, wrapped by hand (the docstrings are reST)
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return parser

@@ -60,6 +60,7 @@ from .common import (
 from .demo_rank import demo_rank
 
 __all__ = [
+    "DESCRIPTION",
     "add_arguments",
     "demo_rank",
     "format_report",
@@ -70,6 +71,26 @@ __all__ = [
     "slowest_rank_times",
     "timing_text",
 ]
+
+#: ``ipc-dpsample demo --help``: plain text (argparse prints it as is).
+DESCRIPTION = """\
+Run the three collectives and argmax_batch_vocab on this machine and prove
+them. Every op gets random data, and every output is compared with the NumPy
+reference: bit for bit, the argmax's logprobs within a float32 tolerance of a
+float64 reference, once also with a real batch bs < pad_bs (real rows only).
+Then every op is timed and one short table is printed.
+
+Ranks: one process per GPU with two or more GPUs; 4 rank threads sharing the
+GPU with one GPU (when the one-sided backend imports, else one rank); 4 CPU
+processes over gloo without a GPU or with --cpu.
+
+Timing: rank threads sharing a GPU are released together for every timed call
+(each rank's stream waits at one CUDA event until all have issued it), so the
+table shows device time; --ungated shows the host path instead. The header of
+the table says what was measured.
+
+Exit status: 0 when every output matched the reference, 1 when a rank failed
+or an output differed, 2 on a usage error."""
 
 #: Ranks on a CPU-only machine and as threads on a single GPU.
 DEFAULT_CPU_RANKS = 4

@@ -67,7 +67,18 @@ from .report import (
     verdict,
 )
 
+#: ``ipc-dpsample doctor --help``: plain text (argparse prints it as is).
+DESCRIPTION = """\
+Check this machine for ipc_dpsample: versions, GPUs, peer-to-peer access and
+CUDA IPC between every pair of GPUs (verified with real writes), the NVLink
+topology and known hazards. Say which backend "auto" would choose and why, and
+run a short bit-exact self-test of every backend that can run here. With
+--json the report is printed as JSON (its schema is doctor.SCHEMA).
+
+Exit status: 0 when the verdict is healthy, 1 otherwise, 2 on a usage error."""
+
 __all__ = [
+    "DESCRIPTION",
     "SCHEMA",
     "SCHEMA_VERSION",
     "TOOL",
