@@ -22,6 +22,8 @@ __all__ = [
     "ArrayKind",
     "StreamHandle",
     "as_torch",
+    "check_host_stream",
+    "check_stream_type",
     "cupy_stream",
     "describe",
     "make_view",
@@ -366,13 +368,66 @@ def make_view(
 _TORCH_RAW_STREAM: list[Any] = []  # [torch._C._cuda_getCurrentRawStream] once found
 
 
+_STREAM_FORMS = (
+    "None, a torch or CuPy stream, an object with __cuda_stream__, or an int handle >= 0"
+)
+
+
+def _bad_stream(stream: Any, why: str = "") -> TypeError:
+    return TypeError(
+        f"stream={stream!r} ({type(stream).__module__}.{type(stream).__qualname__})"
+        f"{why}; expected {_STREAM_FORMS}"
+    )
+
+
+def check_host_stream(stream: Any) -> None:
+    """The ``stream`` argument of an op on CPU data: only None (host ops run on the
+    calling thread; there is no stream to order them on).
+
+    Raises
+    ------
+    TypeError
+        ``stream`` is not None: naming the value, its type and what is expected.
+    """
+    if stream is not None:
+        raise TypeError(
+            f"stream={stream!r} ({type(stream).__module__}.{type(stream).__qualname__}) "
+            "for an op on CPU data; expected None (host ops run on the calling thread)"
+        )
+
+
+def check_stream_type(stream: Any) -> None:
+    """Raise ``TypeError`` unless ``stream`` has one of the forms
+    :func:`resolve_stream` accepts (no CUDA call: the form only)."""
+    if stream is None:
+        return
+    if isinstance(stream, (bool, str, bytes, float)):  # bool is an int: not a handle
+        raise _bad_stream(stream)
+    if isinstance(stream, int):
+        if stream < 0:
+            raise _bad_stream(stream, ", a negative handle")
+        return
+    if not any(
+        getattr(stream, attr, None) is not None
+        for attr in ("cuda_stream", "ptr", "__cuda_stream__", "handle")
+    ):
+        raise _bad_stream(stream)
+
+
 def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
     """Raw ``cudaStream_t`` handle for an op on ``device``.
 
     ``stream=None`` means the current stream of the input's framework (torch's
     current stream, CuPy's current stream, the legacy default stream for numba).
     An explicit torch or CuPy stream, an object with ``__cuda_stream__`` or a raw
-    integer handle is honoured.
+    integer handle ``>= 0`` is honoured.
+
+    Raises
+    ------
+    TypeError
+        Any other ``stream`` (a str, bool, float, negative int, or an object with
+        none of those attributes), naming the value, its type and the forms
+        accepted.
     """
     if stream is None:
         if kind is ArrayKind.TORCH:
@@ -390,8 +445,11 @@ def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
 
             return int(cupy.cuda.get_current_stream().ptr)
         return 0
-    if isinstance(stream, int):
+    if isinstance(stream, int) and not isinstance(stream, bool):  # bool: not a handle
+        if stream < 0:
+            raise _bad_stream(stream, ", a negative handle")
         return stream
+    # a str, bytes or float has none of the attributes below: it ends in the TypeError
     handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
     if handle is not None:
         return int(handle)
@@ -405,10 +463,7 @@ def resolve_stream(kind: ArrayKind, stream: Any, device: int) -> int:
     handle = getattr(stream, "handle", None)  # numba stream
     if handle is not None:
         return int(getattr(handle, "value", handle) or 0)
-    raise TypeError(
-        f"unsupported stream {stream!r}; expected None, a torch or CuPy stream, an object "
-        "with __cuda_stream__, or an int handle"
-    )
+    raise _bad_stream(stream)
 
 
 class StreamHandle:

@@ -271,7 +271,8 @@ class DpSamplingComm:
             clamped), so one captured CUDA graph serves every ``bs`` of its bucket;
             a host int captured into a graph is fixed in it.
         stream : None, torch/CuPy stream, ``__cuda_stream__`` object or int
-            None: the current stream of the input's framework.
+            None: the current stream of the input's framework. On CPU data only
+            None; any other value (a str, a negative int...) raises ``TypeError``.
 
         Returns
         -------

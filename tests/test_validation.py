@@ -531,3 +531,91 @@ def test_torch_fast_info_agrees_with_describe() -> None:
         "unknown dtype name": torch_fast_info(base, (6, 4), "no_such_dtype", -1),
     }
     assert all(v is None for v in declined.values()), declined
+
+
+# -- stream (issue 23, point 6) ------------------------------------------------------------
+class _LocalCollectives:
+    """A tp=1 ``fallback_comm_backend``: every collective is a local copy."""
+
+    def all_gather_into_tensor(self, output: Any, input: Any, group: Any) -> None:
+        output.copy_(input)
+
+    def all_to_all_single(self, output: Any, input: Any, group: Any) -> None:
+        output.copy_(input)
+
+
+def _op_call(comm: Any, op: str, stream: Any) -> Any:
+    pad_bs = 4
+    if op == "swap":
+        return comm.swap_batch_vocab(_logits(pad_bs), pad_bs=pad_bs, stream=stream)
+    if op == "argmax":
+        return comm.argmax_batch_vocab(_logits(pad_bs), pad_bs=pad_bs, stream=stream)
+    if op == "gather_outputs":
+        p, a, ln = _i32(pad_bs, N), _i32(pad_bs, N), _i32(pad_bs)
+        return comm.gather_verify_outputs(p, a, ln, pad_bs=pad_bs, stream=stream)
+    return comm.gather_verify_logprobs(_lp(pad_bs), pad_bs=pad_bs, stream=stream)
+
+
+class _FakeCudaStream:
+    cuda_stream = 0x1234
+
+
+OPS = ["swap", "argmax", "gather_outputs", "gather_logprobs"]
+CPU_BAD_STREAMS = ["x", b"x", 0, 7, True, 1.5, object(), _FakeCudaStream()]
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch", "fallback_comm_backend"])
+@pytest.mark.parametrize("op", OPS)
+def test_stream_on_cpu_must_be_none(make_comm: Any, op: str, fallback: bool) -> None:
+    """On CPU data only ``stream=None`` is accepted: anything else (a str, an int, a
+    CUDA stream object...) raises TypeError naming the value, its type and what is
+    expected, before anything moves; the next valid call works."""
+    kw = {"fallback_comm_backend": _LocalCollectives()} if fallback else {}
+    comm = make_comm(**kw)
+    for bad in CPU_BAD_STREAMS:
+        with pytest.raises(TypeError) as info:
+            _op_call(comm, op, bad)
+        msg = str(info.value)
+        assert msg.startswith(f"stream={bad!r} ("), msg
+        assert type(bad).__qualname__ in msg and "expected None" in msg, msg
+    _op_call(comm, op, None)
+    _valid_calls_work(comm)
+
+
+BAD_STREAMS = ["x", b"", "0x1234", True, False, 1.5, -1, object(), [0]]
+
+
+@pytest.mark.parametrize("stream", BAD_STREAMS, ids=repr)
+def test_resolve_stream_rejects_what_is_no_stream(stream: Any) -> None:
+    """The GPU backends resolve ``stream`` first in every op (onesided, nccl, torch on
+    CUDA): a str, bool, float, negative int or attribute-less object is a TypeError
+    naming the value and its type, and no CUDA call happens (this runs without a GPU);
+    ``check_stream_type`` (the fallback path on CUDA) agrees."""
+    from ipc_dpsample.arrays import ArrayKind, check_stream_type, resolve_stream
+
+    for kind in ArrayKind:
+        with pytest.raises(TypeError) as info:
+            resolve_stream(kind, stream, 0)
+        msg = str(info.value)
+        assert msg.startswith(f"stream={stream!r} (") and type(stream).__qualname__ in msg, msg
+        assert "expected None, a torch or CuPy stream" in msg, msg
+    with pytest.raises(TypeError, match=re.escape(f"stream={stream!r} (")):
+        check_stream_type(stream)
+
+
+def test_resolve_stream_accepts_every_documented_form() -> None:
+    from ipc_dpsample.arrays import ArrayKind, StreamHandle, check_stream_type, resolve_stream
+
+    class CupyLike:
+        ptr = 0x55
+
+    class NumbaLike:
+        handle = 0x66
+
+    forms = [(0, 0), (0x77, 0x77), (_FakeCudaStream(), 0x1234), (CupyLike(), 0x55)]
+    forms += [(StreamHandle(0x99), 0x99), (NumbaLike(), 0x66)]
+    for stream, handle in forms:
+        assert resolve_stream(ArrayKind.TORCH, stream, 0) == handle
+        check_stream_type(stream)
+    assert resolve_stream(ArrayKind.NUMBA, None, 0) == 0
+    check_stream_type(None)

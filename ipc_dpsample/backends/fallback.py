@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from ..arrays import ArrayInfo, ArrayKind, as_torch, torch_view
+from ..arrays import (
+    ArrayInfo,
+    ArrayKind,
+    as_torch,
+    check_host_stream,
+    check_stream_type,
+    torch_view,
+)
 from ..config import CommConfig
 from ..errors import DpSampleError
 from ..protocol import Call, Dtype, Op, divergence_message
@@ -87,9 +94,14 @@ class CollectivesBackend(Backend):
             )
 
     # -- plumbing -----------------------------------------------------------------
-    def _call(self, op: Op, dtype: Dtype, pad_bs: int, bs: RealRows | None) -> Call:
+    def _call(self, op: Op, dtype: Dtype, pad_bs: int, bs: RealRows | None, stream: Any) -> Call:
         if self._failure is not None:
             raise self._failure
+        # the caller's collectives run on their own stream: only the form is checked
+        if self.device.type == "cpu":
+            check_host_stream(stream)
+        else:
+            check_stream_type(stream)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise DpSampleError(
                 "the fallback_comm_backend path cannot run inside CUDA-graph capture (its "
@@ -137,7 +149,7 @@ class CollectivesBackend(Backend):
         stream: Any = None,
     ) -> Any:
         assert self._dtype is not None
-        call = self._call(Op.SWAP, Dtype.of(self._dtype), pad_bs, bs)
+        call = self._call(Op.SWAP, Dtype.of(self._dtype), pad_bs, bs, stream)
         t = self._as_torch(x, info)
         rows, tp = pad_bs // self._tp * self._n, self._tp
         src = t.reshape(-1).view(torch.uint8).view(tp, rows * self._vs * t.element_size())
@@ -181,7 +193,7 @@ class CollectivesBackend(Backend):
         bs: RealRows | None = None,
         stream: Any = None,
     ) -> tuple[Any, Any, Any]:
-        call = self._call(Op.GATHER_OUTPUTS, Dtype.INT32, pad_bs, bs)
+        call = self._call(Op.GATHER_OUTPUTS, Dtype.INT32, pad_bs, bs, stream)
         ins = [self._as_torch(a, info) for a in (predict, accept_index, accept_length)]
         outs = [self.out_predict[:pad_bs], self.out_accept_index[:pad_bs]]
         outs.append(self.out_accept_length[:pad_bs])
@@ -192,7 +204,7 @@ class CollectivesBackend(Backend):
         self, logprobs: Any, info: ArrayInfo, *, pad_bs: int, bs: RealRows | None = None,
         stream: Any = None,
     ) -> Any:  # fmt: skip
-        call = self._call(Op.GATHER_LOGPROBS, Dtype.INT32, pad_bs, bs)
+        call = self._call(Op.GATHER_LOGPROBS, Dtype.INT32, pad_bs, bs, stream)
         out = self.out_logprobs[:pad_bs]
         self._gather(call, [self._as_torch(logprobs, info)], [out])
         return self._out(info.kind, out)
@@ -208,7 +220,7 @@ class CollectivesBackend(Backend):
         stream: Any = None,
     ) -> tuple[Any, Any]:
         assert self._dtype is not None
-        call = self._call(Op.ARGMAX, Dtype.of(self._dtype), pad_bs, bs)
+        call = self._call(Op.ARGMAX, Dtype.of(self._dtype), pad_bs, bs, stream)
         t = self._as_torch(x, info)
         tp, me, vs = self._tp, self._rank, self._vs
         rows = pad_bs // tp * self._n

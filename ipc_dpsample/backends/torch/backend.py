@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...arrays import ArrayInfo, ArrayKind, as_torch, torch_view
+from ...arrays import ArrayInfo, ArrayKind, as_torch, check_host_stream, torch_view
 from ...config import CommConfig
 from ...errors import DpSampleError
 from ...group import TorchStoreGroup
@@ -193,6 +193,7 @@ class TorchBackend(TorchPlans, Backend):
 
     def _stream_ctx(self, stream: Any) -> Any:
         if self._cpu:
+            check_host_stream(stream)  # TypeError unless None
             return _nullctx
         if torch.cuda.is_current_stream_capturing():
             raise DpSampleError(
