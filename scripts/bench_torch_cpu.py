@@ -1,18 +1,21 @@
 """Torch backend on CPU (gloo, tp=2) beside the plain collectives a user would write.
 
-One run, two spawned ranks, both sides timed in the same processes, reps of the two
-sides interleaved:
+One run per torch thread setting (``--threads``, default both: torch's default and
+``torch.set_num_threads(1)``), two spawned ranks each, both sides timed in the same
+processes, reps of the two sides interleaved (their order alternating):
 
 * ``swap_batch_vocab`` (through :class:`~ipc_dpsample.DpSamplingComm`, argument
   checks included) vs ``dist.all_to_all_single`` of the same bytes plus the permute
   a user needs to get the ``[pad_bs/tp*N, V]`` layout;
-* ``gather_verify_outputs`` vs three ``dist.all_gather_into_tensor`` calls.
+* ``gather_verify_outputs`` vs three ``dist.all_gather_single`` calls
+  (``all_gather_into_tensor`` before torch 2.13).
 
-Prints per point: median, p10, p90 (µs, rank 0's clock), bytes one rank sends,
-GB/s at the median, and the ratio package / baseline (targets: swap <= 1.2,
-gather <= 1.0).
+Prints per point: median, p10, p90 (µs, rank 0's clock), bytes (one rank's input:
+what the op moves per rank, its own 1/tp share included), GB/s at the median, and
+the ratio package / baseline (targets: swap <= 1.2, gather <= 1.0, with either
+thread setting).
 
-Usage: ``python scripts/bench_torch_cpu.py [--reps 60] [--quick]``
+Usage: ``python scripts/bench_torch_cpu.py [--reps 80] [--quick] [--threads default,1]``
 """
 
 from __future__ import annotations
@@ -46,19 +49,21 @@ def _stats(samples: list[float]) -> tuple[float, float, float]:
 
 
 def _time_pair(a: Any, b: Any, reps: int) -> tuple[list[float], list[float]]:
-    """Interleaved timings of ``a()`` and ``b()`` (a few warm-up calls first)."""
+    """Interleaved timings of ``a()`` and ``b()``, the order alternating so that
+    neither side always absorbs the ranks' skew (a few warm-up calls first)."""
     for _ in range(3):
         a()
         b()
     ta, tb = [], []
-    for _ in range(reps):
+    for i in range(reps):
+        first, second, t_first, t_second = (a, b, ta, tb) if i % 2 == 0 else (b, a, tb, ta)
         t0 = time.perf_counter()
-        a()
+        first()
         t1 = time.perf_counter()
-        b()
+        second()
         t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
+        t_first.append(t1 - t0)
+        t_second.append(t2 - t1)
     return ta, tb
 
 
@@ -94,10 +99,12 @@ def _gather_point(rank: int, pad_bs: int, n: int, reps: int) -> dict[str, Any]:
         tp_size=TP, rank=rank, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=TP,
         logits_dtype="float32", device="cpu", backend="torch",
     ) as comm:  # fmt: skip
+        # torch 2.13 deprecates all_gather_into_tensor for all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
         def plain() -> None:
             for o, a in zip(outs, (pred, acc, length), strict=True):
-                dist.all_gather_into_tensor(o, a)
+                gather(o, a)
 
         got = comm.gather_verify_outputs(pred, acc, length, pad_bs=pad_bs)
         plain()
@@ -108,8 +115,12 @@ def _gather_point(rank: int, pad_bs: int, n: int, reps: int) -> dict[str, Any]:
     return {"ours": ours, "base": base, "bytes": 4 * r * (2 * n + 1)}
 
 
-def body(rank: int, world: int, group: Any, reps: int, quick: bool) -> list[dict[str, Any]]:
-    torch.set_num_threads(1)
+def body(
+    rank: int, world: int, group: Any, reps: int, quick: bool, threads: int | None
+) -> dict[str, Any]:
+    """One thread setting: ``threads`` None keeps torch's default."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     rows = []
     for pad_bs, n, v in SWAP_POINTS[:2] if quick else SWAP_POINTS:
         res = _swap_point(rank, pad_bs, n, v, reps)
@@ -117,7 +128,20 @@ def body(rank: int, world: int, group: Any, reps: int, quick: bool) -> list[dict
     for pad_bs, n in GATHER_POINTS[:2] if quick else GATHER_POINTS:
         res = _gather_point(rank, pad_bs, n, reps)
         rows.append({"op": "gather_verify_outputs", "point": f"pad_bs={pad_bs} N={n}", **res})
-    return rows
+    return {"threads": torch.get_num_threads(), "rows": rows}
+
+
+def _thread_settings(text: str) -> list[int | None]:
+    settings: list[int | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == "default":
+            settings.append(None)
+        elif item.isdigit() and int(item) > 0:
+            settings.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"--threads item {item!r}: 'default' or a count")
+    return settings
 
 
 def _commit() -> str:
@@ -133,36 +157,50 @@ def _commit() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--reps", type=int, default=80)
     parser.add_argument("--quick", action="store_true", help="the two smaller points of each op")
+    parser.add_argument(
+        "--threads",
+        type=_thread_settings,
+        default=[None, 1],
+        help="comma-separated torch thread settings, 'default' or a count (default: default,1)",
+    )
     args = parser.parse_args()
     cpu = platform.processor() or platform.machine()
     print(
         f"# bench_torch_cpu: tp={TP} gloo, {os.cpu_count()} CPUs ({cpu}), "
-        f"torch {torch.__version__}, {datetime.date.today().isoformat()}, commit {_commit()}"
+        f"torch {torch.__version__} (default {torch.get_num_threads()} intra-op threads), "
+        f"{datetime.date.today().isoformat()}, commit {_commit()}"
     )
     print(f"# command: python scripts/bench_torch_cpu.py {' '.join(sys.argv[1:])}".rstrip())
-    results = run_ranks(TP, body, args.reps, args.quick, timeout_s=1800)[0]
     baseline = {"swap": "all_to_all_single+permute", "gather_verify_outputs": "3x all_gather"}
     print(
-        f"{'op':<22} {'point':<28} {'side':<26} {'median_us':>10} {'p10':>9} {'p90':>9} "
-        f"{'bytes':>10} {'GB/s':>7} {'ratio':>6}"
+        f"{'op':<22} {'threads':<10} {'point':<28} {'side':<26} {'median_us':>10} {'p10':>9} "
+        f"{'p90':>9} {'bytes':>10} {'GB/s':>7} {'ratio':>6}"
     )
-    worst: dict[str, float] = {}
-    for row in results:
-        ours, base = _stats(row["ours"]), _stats(row["base"])
-        ratio = ours[0] / base[0]
-        worst[row["op"]] = max(worst.get(row["op"], 0.0), ratio)
-        for side, (med, p10, p90) in (("ipc_dpsample", ours), (baseline[row["op"]], base)):
-            gbs = row["bytes"] / (med * 1e-6) / 1e9
-            tail = f"{ratio:6.2f}" if side == "ipc_dpsample" else ""
-            print(
-                f"{row['op']:<22} {row['point']:<28} {side:<26} {med:10.1f} {p10:9.1f} "
-                f"{p90:9.1f} {row['bytes']:10d} {gbs:7.3f} {tail:>6}"
-            )
+    worst: dict[tuple[str, str], float] = {}
+    for threads in args.threads:
+        run = run_ranks(TP, body, args.reps, args.quick, threads, timeout_s=1800)[0]
+        setting = f"{'default' if threads is None else 'set'}={run['threads']}"
+        for row in run["rows"]:
+            ours, base = _stats(row["ours"]), _stats(row["base"])
+            ratio = ours[0] / base[0]
+            key = (row["op"], setting)
+            worst[key] = max(worst.get(key, 0.0), ratio)
+            for side, (med, p10, p90) in (("ipc_dpsample", ours), (baseline[row["op"]], base)):
+                gbs = row["bytes"] / (med * 1e-6) / 1e9
+                tail = f"{ratio:6.2f}" if side == "ipc_dpsample" else ""
+                print(
+                    f"{row['op']:<22} {setting:<10} {row['point']:<28} {side:<26} {med:10.1f} "
+                    f"{p10:9.1f} {p90:9.1f} {row['bytes']:10d} {gbs:7.3f} {tail:>6}"
+                )
+    target = {"swap": 1.2, "gather_verify_outputs": 1.0}
     print(
-        f"# worst ratio: swap {worst.get('swap', 0):.2f} (target <= 1.2), gather "
-        f"{worst.get('gather_verify_outputs', 0):.2f} (target <= 1.0)"
+        "# worst ratio: "
+        + ", ".join(
+            f"{op} threads {setting} {ratio:.2f} (target <= {target[op]})"
+            for (op, setting), ratio in worst.items()
+        )
     )
     return 0
 
