@@ -684,11 +684,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Run the example; returns the JSON object it printed last (None on ranks > 0)."""
     args = parse_args(argv)
-    if args.save_weights:
+    try:  # a bad --weights file or model shape fails here, before any rank starts
         cfg, weights = model_config(args)
+        if args.weights:
+            TinyLM(cfg, weights, tp=1, rank=0, device=torch.device("cpu"))
+    except (OSError, ValueError, ImportError, RuntimeError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.save_weights:
         save_weights(weights, args.save_weights)
         out(f"wrote {args.save_weights}: {len(weights)} tensors, {cfg}")
         return None
+    del weights
     if args.device == "cuda":
         if args.launch == "threads":  # several spinning ranks per GPU: a queue each
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts

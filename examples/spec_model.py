@@ -135,7 +135,7 @@ def make_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         elif name == "embed.weight":
             t = torch.randn(shape, generator=g)
         elif name == "lm_head.weight":
-            t = 0.5 * torch.randn(shape, generator=g)  # logits with a spread of about 4
+            t = 0.8 * torch.randn(shape, generator=g)  # logits with a spread of about 6
             t[cfg.vocab_limit :] = 0.0  # the padded tail, as in real checkpoints
         else:
             fan_in = shape[1]

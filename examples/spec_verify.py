@@ -75,26 +75,20 @@ def row_key(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return fmix32(k ^ (position & _M32))
 
 
-_TOKEN_HASH: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
-    key = (str(device), vocab)
-    if key not in _TOKEN_HASH:
-        _TOKEN_HASH[key] = fmix32(torch.arange(vocab, dtype=torch.int64, device=device))
-    return _TOKEN_HASH[key]
-
-
-def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[rows, vocab]`` float64 for global token ids ``0..vocab-1``.
+def gumbel_noise(
+    seed: torch.Tensor, position: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float64, for global token ids ``token_ids``: int64 ``[V]``
+    (the same ids for every row) or ``[rows, k]``; returns ``[rows, V]`` or ``[rows, k]``.
 
     Element ``(r, t)`` depends only on ``(seed[r], position[r], t)``: ``h =
     fmix32(row_key(seed, position) ^ fmix32(t))``, ``u = (h + 0.5) / 2**32`` (in
     ``(0, 1)``, exact in float64), noise ``= -log(-log(u))`` in float64. So a row's
     noise is the same however the vocabulary is split and whatever batch it is in.
     """
-    h = fmix32(row_key(seed, position)[:, None] ^ _token_hash(vocab, seed.device)[None, :])
-    u = (h.to(torch.float64) + 0.5) * (2.0**-32)
+    key = row_key(seed, position)[:, None]
+    ids = token_ids[None, :] if token_ids.dim() == 1 else token_ids
+    u = (fmix32(key ^ fmix32(ids)).to(torch.float64) + 0.5) * (2.0**-32)
     return -torch.log(-torch.log(u))
 
 
@@ -124,12 +118,12 @@ def sample_full_rows(
 
     The one place the example samples, so that the package's own sampler can replace
     it. Semantics (TokenSpeed's FlashInfer order): scale by ``1 / temperature``; keep
-    the ``top_k`` largest (ties at the k-th value kept); renormalise and keep the
-    smallest set of most likely ids whose mass reaches ``top_p`` (an id is kept when
-    the mass of the ids sorted before it, value descending then id ascending, is
-    below ``top_p``); then the arg-max over the kept ids of ``logit / T +
-    gumbel_noise(seed, position, id)``. Sampled in float64, so the result does not
-    hang on the last bits of a reduction. Capturable in a CUDA graph (no host sync).
+    the ``top_k`` best ids under the total order (value descending, id ascending);
+    renormalise and keep the smallest prefix of that order whose mass reaches
+    ``top_p`` (an id is kept when the mass before it is below ``top_p``); then the
+    arg-max over the kept ids of ``logit / T + gumbel_noise(seed, position, id)``
+    Computed in float64, so that the result does not hang on the
+    last bits of a reduction; capturable in a CUDA graph (no host sync).
 
     Parameters
     ----------
@@ -147,16 +141,25 @@ def sample_full_rows(
     """
     greedy = torch.argmax(logits, dim=-1)
     s = logits.to(torch.float64) / temperature.to(torch.float64).clamp_min(1e-6)[:, None]
+    ids: torch.Tensor | None = None  # None: every column, in id order
     if top_k is not None and top_k < s.shape[-1]:
-        kth = torch.topk(s, top_k, dim=-1).values[:, -1:]
-        s = s.masked_fill(s < kth, float("-inf"))
+        s, ids = torch.sort(s, dim=-1, descending=True, stable=True)
+        s, ids = s[:, :top_k], ids[:, :top_k]  # sorted: value desc, then id asc
     if top_p is not None and top_p < 1.0:
         p = torch.softmax(s, dim=-1)
-        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
-        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        if ids is None:
+            sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+            keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+            keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        else:
+            keep = (torch.cumsum(p, dim=-1) - p) < top_p  # already in that order
         s = s.masked_fill(~keep, float("-inf"))
-    sampled = torch.argmax(s + gumbel_noise(seed, position, s.shape[-1]), dim=-1)
+    if ids is None:
+        every = torch.arange(s.shape[-1], device=s.device)
+        sampled = torch.argmax(s + gumbel_noise(seed, position, every), dim=-1)
+    else:
+        best = torch.argmax(s + gumbel_noise(seed, position, ids), dim=-1, keepdim=True)
+        sampled = ids.gather(-1, best)[:, 0]
     return torch.where(temperature > 0, sampled, greedy)
 
 
