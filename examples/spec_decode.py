@@ -520,7 +520,10 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
             raise RuntimeError(f"run {k} differs from run 1: {diff}")
     sampling = sampling_of(args)
     mode = "plain (--no-spec)" if args.no_spec else f"verify={args.verify}"
-    how = "greedy" if sampling is None else f"sampled {sampling}"
+    how = "greedy"
+    if sampling is not None:
+        how = f"sampled (temperature {sampling.temperature}, top_k {sampling.top_k}, "
+        how += f"top_p {sampling.top_p})"
     tp = args.tp or 1
     out(
         f"spec_decode: {mode} tp={tp} device={args.device} backend={rep['backend']} "

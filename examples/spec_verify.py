@@ -321,13 +321,16 @@ class Verifier:
         """The target's token of every full row of requests ``req0 .. req0+reqs-1``."""
         if self.sampling is None:
             return torch.argmax(rows, dim=-1)
-        sl = slice(req0, req0 + reqs)
-        rep = self.n
-        position = x.offset[sl, None] + torch.arange(rep, device=rows.device)[None, :]
+        sl, n = slice(req0, req0 + reqs), self.n
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [reqs] -> [reqs * N]
+            return t[sl, None].expand(-1, n).reshape(-1)
+
+        position = x.offset[sl, None] + torch.arange(n, device=rows.device)[None, :]
         return sample_full_rows(
             rows,
-            temperature=x.temperature[sl].repeat_interleave(rep),
-            seed=x.seed[sl].repeat_interleave(rep),
+            temperature=per_row(x.temperature),
+            seed=per_row(x.seed),
             position=position.reshape(-1),
             top_k=self.sampling.top_k,
             top_p=self.sampling.top_p,
