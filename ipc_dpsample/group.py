@@ -22,6 +22,7 @@ import datetime
 import itertools
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -217,11 +218,35 @@ class TorchStoreGroup:
         """
         keys = [f"{key}/{r}" for r in range(self.size)]
         if wait_s > 0:
-            try:
-                self._store.wait(keys, datetime.timedelta(seconds=wait_s))
-            except Exception:
-                pass  # some ranks did not post: reported as None
+            self._poll(keys, wait_s)  # ranks that did not post are reported as None
         return [bytes(self._store.get(k)) if self._store.check([k]) else None for k in keys]
+
+    def _poll(self, keys: list[str], wait_s: float) -> bool:
+        """Wait at most ``wait_s`` until every key exists: True when they all did.
+
+        Polls ``store.check`` (backing off from 0.2 ms to 5 ms) instead of calling
+        ``store.wait(keys, timeout)``: a TCPStore wait that runs out logs two c10d
+        ``socket.cpp ... waitForInput`` warnings through torch's C++ logging (fd 2,
+        not Python's ``warnings``) next to this package's own error, and a peer
+        timeout is exactly when a wait runs out. Only this group's own waits change:
+        torch's logging stays as the user set it (no ``TORCH_CPP_LOG_LEVEL`` change,
+        which would be process-wide and read once at start-up anyway). A ready key
+        costs one check; a late one at most 5 ms more than a blocking wait.
+
+        Raises
+        ------
+        Exception
+            Whatever the c10d store raises when it is unreachable.
+        """
+        deadline = time.monotonic() + wait_s
+        pause = 2e-4
+        while not self._store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 5e-3)
+        return True
 
     def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
         op = next(self._op)
@@ -229,13 +254,19 @@ class TorchStoreGroup:
         self._store.set(f"{base}/{self._rank}", _tag(what, data))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:
-            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            joined = self._poll(keys, timeout_s)
+            missing = [r for r, k in enumerate(keys) if not joined and not self._store.check([k])]
+        except Exception as exc:  # the store's host (global rank 0) exited
+            raise DpSampleError(
+                f"rank {self._rank}: the c10d store of group {self.global_ranks} became "
+                f"unreachable during '{what}' ({type(exc).__name__}: {str(exc)[:200]}): its "
+                "host, global rank 0, most likely exited"
+            ) from None
+        if missing:
             raise DpSampleError(
                 f"rank {self._rank}: ranks {missing} of group {self.global_ranks} did not "
-                f"join '{what}' within {timeout_s:.1f} s ({exc})"
-            ) from None
+                f"join '{what}' within {timeout_s:.1f} s"
+            )
         steps, records = zip(*(_untag(bytes(self._store.get(k))) for k in keys), strict=True)
         _check_steps(self._rank, op, what, steps, f"group {self.global_ranks}")
         return list(records)

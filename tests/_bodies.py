@@ -1077,3 +1077,41 @@ def torch_swap_starts_no_pool_threads(rank: int, tp: int, group: Any) -> tuple[i
         f"rank {rank}: {after - before} thread(s) started during the swaps (the intra-op pool?)"
     )
     return before, after
+
+
+# -- issue 23 point 6: a peer timeout leaves only the package's message on stderr ----------
+STDERR_TAG = "PACKAGE-ERROR:"
+
+
+def torch_timeout_stderr(rank: int, tp: int, group: Any) -> None:
+    """The last rank sleeps past timeout_s before a swap; every rank writes the error
+    it got to stderr as one line starting with :data:`STDERR_TAG` (so that whatever
+    else reaches fd 2, torch's C++ logging included, shows up next to it). Then a
+    host all-gather that the last rank never joins runs out (the set-up path's wait)."""
+    import sys
+
+    from ipc_dpsample.group import resolve_group
+
+    late = rank == tp - 1
+    comm = _comm(
+        rank, tp, group, max_pad_bs=tp, num_tokens_per_req=1, vocab_size=2 * tp,
+        logits_dtype="float32", timeout_s=FAIL_TIMEOUT_S,
+    )  # fmt: skip
+    Checker(comm, rank, tp, 13).swap(tp)
+    if late:
+        time.sleep(FAIL_TIMEOUT_S + 3.0)
+    exc, _ = _timed_error(lambda: comm.swap_batch_vocab(torch.ones(tp, 2), pad_bs=tp))
+    line = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    sys.stderr.write(f"{STDERR_TAG} rank {rank}: {line}\n")
+    comm.close()
+    host = resolve_group(group)
+    if not late:
+        try:
+            host.all_gather_bytes(b"x", timeout_s=1.0, what="a step the last rank skips")
+        except DpSampleError as err:
+            sys.stderr.write(f"{STDERR_TAG} rank {rank}: {err}\n".replace("\n", " ") + "\n")
+        else:
+            raise AssertionError("the all-gather completed without the last rank")
+    # a fresh group (its own step sequence): the last rank skipped a step of the other
+    resolve_group(group).barrier(timeout_s=60.0, what="end of torch_timeout_stderr")
+    sys.stderr.flush()

@@ -121,3 +121,35 @@ def test_dead_peer_raises_peer_timeout_naming_it(world: int, victim: int, tmp_pa
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["peer"] == victim, seen
         assert seen["elapsed"] < _bodies.FAIL_TIMEOUT_S + 2, seen
+
+
+# -- issue 23 point 6: stderr after a peer timeout ------------------------------------------
+@pytest.mark.skipif(
+    launched_world() is not None,
+    reason="reads a spawned world's stderr: runs only when pytest spawns the ranks",
+)
+def test_peer_timeout_leaves_only_the_package_message_on_stderr() -> None:
+    """torch's C++ logging writes to fd 2 (not sys.stderr), so the ranks run in a
+    subprocess whose stderr is read whole: a stalled peer and a host all-gather that
+    runs out give the package's errors and nothing else (no c10d ``socket.cpp ...
+    waitForInput`` warnings from a store wait that timed out)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import _bodies; "
+        "from ipc_dpsample.testing import run_ranks; "
+        "run_ranks(2, _bodies.torch_timeout_stderr, timeout_s=90)"
+    )
+    tests_dir = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, tests_dir], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    others = [ln for ln in lines if not ln.startswith(_bodies.STDERR_TAG)]
+    assert not others, "stderr holds more than the package's messages:\n" + proc.stderr
+    ours = "\n".join(lines)
+    assert "rank 0: PeerTimeoutError: rank 0: rank 1 did not take part" in ours, ours
+    assert "rank 1: DpSampleError: rank 1 reached" in ours, ours
+    assert "did not join 'a step the last rank skips' within 1.0 s" in ours, ours
