@@ -43,6 +43,7 @@ __all__ = [
     "fmix32",
     "gumbel_noise",
     "sample_full_rows",
+    "top_k_ids",
 ]
 
 _M32 = 0xFFFFFFFF
@@ -105,6 +106,25 @@ class SamplingParams:
     top_p: float | None = None
 
 
+def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best ids of every row under the total order (value descending, id
+    ascending), in that order: int64 ``[rows, k]``.
+
+    One ``topk`` over a tie-free int64 key: the float32 value's bits mapped to an
+    order-preserving signed integer, times ``2**20``, plus ``2**20 - 1 - id``
+    (``V < 2**20``). Faster than a stable sort of the row, and exact on ties. The
+    order of ``value / T`` in float64 is that of the float32 value (``T > 0``), so this
+    is the top-k of the scaled row too.
+    """
+    vocab = logits.shape[-1]
+    if vocab >= 1 << 20:
+        raise ValueError(f"vocabulary {vocab} too large for the 20-bit id field")
+    bits = (logits.to(torch.float32) + 0.0).view(torch.int32)  # -0.0 -> +0.0 first
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the value
+    tie = (1 << 20) - 1 - torch.arange(vocab, device=logits.device)
+    return torch.topk(key.to(torch.int64) * (1 << 20) + tie, k, dim=-1).indices
+
+
 def sample_full_rows(
     logits: torch.Tensor,
     *,
@@ -140,11 +160,13 @@ def sample_full_rows(
     int64 ``[rows]``
     """
     greedy = torch.argmax(logits, dim=-1)
-    s = logits.to(torch.float64) / temperature.to(torch.float64).clamp_min(1e-6)[:, None]
+    t = temperature.to(torch.float64).clamp_min(1e-6)[:, None]
     ids: torch.Tensor | None = None  # None: every column, in id order
-    if top_k is not None and top_k < s.shape[-1]:
-        s, ids = torch.sort(s, dim=-1, descending=True, stable=True)
-        s, ids = s[:, :top_k], ids[:, :top_k]  # sorted: value desc, then id asc
+    if top_k is not None and top_k < logits.shape[-1]:
+        ids = top_k_ids(logits, top_k)
+        s = logits.gather(-1, ids).to(torch.float64) / t
+    else:
+        s = logits.to(torch.float64) / t
     if top_p is not None and top_p < 1.0:
         p = torch.softmax(s, dim=-1)
         if ids is None:

@@ -314,6 +314,19 @@ def test_sampler_paths_agree_and_temperature_zero_is_greedy() -> None:
     assert torch.equal(one, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_top_k_is_exact_on_ties(dtype: torch.dtype) -> None:
+    """top_k_ids = the first k of a stable descending sort (value desc, id asc)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(-20, 20, (16, 3000), generator=g).float() * 0.25).to(dtype)
+    x[0] = 0.0
+    x[1, ::2] = -0.0  # equal to +0.0
+    x[2, 5], x[3, :3] = float("-inf"), float("inf")
+    for k in (1, 7, 50, 2999):
+        want = torch.sort(x.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(spec_verify.top_k_ids(x, k), want), f"k={k}"
+
+
 def test_buckets() -> None:
     assert spec_decode.buckets_for(3, 4, None) == [3, 6]
     assert spec_decode.buckets_for(1, 4, None) == [1, 2, 4]
