@@ -9,8 +9,10 @@ ranks:
   ``tuple(range(world_size))``. A world smaller than needed skips the test
   (under pytest) with a reason that names both sizes.
 * otherwise: spawns ``world_size`` fresh processes (``spawn`` start method), each
-  initialising torch.distributed over gloo; a failing rank's traceback is raised
-  in the parent, and ranks still running after ``timeout_s`` are killed.
+  initialising torch.distributed over gloo; ranks still running after ``timeout_s``
+  are killed. When any rank fails, :class:`RankFailure` reports every rank's
+  outcome in rank order (its result, its traceback, its exit code or signal, or
+  that it was killed), and keeps them in :attr:`RankFailure.outcomes`.
 
 :func:`run_threads` runs the ranks as threads of this process with a
 :class:`~ipc_dpsample.group.ThreadGroup` (several ranks on one GPU).
@@ -18,22 +20,128 @@ ranks:
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
+import queue as queue_module
+import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from .group import ThreadGroup
 from .launch import free_port, init_distributed, launched_world
 
-__all__ = ["RankFailure", "run_ranks", "run_threads"]
+__all__ = ["RankFailure", "RankOutcome", "run_ranks", "run_threads"]
+
+#: After a rank process is seen dead, how long its report may still take to arrive.
+_REPORT_GRACE_S = 0.5
+#: Characters of a returned value's ``repr`` shown in a :class:`RankFailure` message.
+_RESULT_REPR = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of :func:`run_ranks` / :func:`run_threads` ended.
+
+    Attributes
+    ----------
+    rank : int
+    kind : ``"returned"``, ``"raised"``, ``"exited"`` or ``"timeout"``
+        Returned a value; raised (``traceback`` holds it); its process ended without
+        a report (``exitcode``: the exit code, or ``-signal`` when a signal killed
+        it); still running after the timeout (a process is then killed; a thread
+        cannot be).
+    result : object
+        What the body returned (``kind == "returned"``), else None.
+    traceback : str or None
+        The formatted traceback (``kind == "raised"``).
+    exitcode : int or None
+        The process's exit code (``kind == "exited"``; negative: a signal).
+    hung : str or None
+        What happened to a rank that did not finish (``kind == "timeout"``), e.g.
+        ``"did not finish within 8 s (killed)"``.
+    """
+
+    rank: int
+    kind: Literal["returned", "raised", "exited", "timeout"]
+    result: Any = None
+    traceback: str | None = None
+    exitcode: int | None = None
+    hung: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "returned"
+
+    def describe(self) -> str:
+        """One line: ``returned [1, 2]``, ``raised ValueError: ...``, ``exited with
+        code 3 and no report``, ``was killed by SIGKILL (9) and left no report``..."""
+        if self.kind == "returned":
+            text = " ".join(repr(self.result).split())
+            if len(text) > _RESULT_REPR:
+                text = text[:_RESULT_REPR] + "..."
+            return f"returned {text}"
+        if self.kind == "raised":
+            lines = [ln.strip() for ln in (self.traceback or "").splitlines() if ln.strip()]
+            return f"raised {lines[-1] if lines else '(no traceback)'}"
+        if self.kind == "exited":
+            code = self.exitcode if self.exitcode is not None else 0
+            if code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = "an unknown signal"
+                return f"was killed by {name} ({-code}) and left no report"
+            return f"exited with code {code} and no report"
+        return self.hung or "did not finish"
 
 
 class RankFailure(AssertionError):
-    """One or more ranks failed; the message holds their tracebacks."""
+    """One or more ranks failed.
+
+    The message starts with the failing ranks, then one line per rank in rank order
+    (what it returned, raised, or how its process ended), then the failing ranks'
+    tracebacks (``--- rank r failed ---`` blocks) and, last, the ranks that did not
+    finish (``--- ranks [...] did not finish within ... ---``).
+
+    Attributes
+    ----------
+    outcomes : list of RankOutcome
+        Every rank's outcome, in rank order (empty when raised without them).
+    """
+
+    def __init__(self, message: str, outcomes: Sequence[RankOutcome] = ()):
+        super().__init__(message)
+        self.outcomes: list[RankOutcome] = list(outcomes)
+
+    @property
+    def results(self) -> dict[int, Any]:
+        """``{rank: returned value}`` of the ranks that returned."""
+        return {o.rank: o.result for o in self.outcomes if o.ok}
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [o.rank for o in self.outcomes if not o.ok]
+
+    @classmethod
+    def from_outcomes(cls, outcomes: Sequence[RankOutcome]) -> RankFailure:
+        """The failure that reports ``outcomes`` (one per rank, in rank order)."""
+        failed = [o for o in outcomes if not o.ok]
+        lines = [f"ranks {[o.rank for o in failed]} of {len(outcomes)} failed"]
+        for o in outcomes:
+            lines.append(f"  rank {o.rank}: {'' if o.ok else 'FAILED: '}{o.describe()}")
+        for o in failed:
+            if o.kind == "raised":
+                lines.append(f"--- rank {o.rank} failed ---\n{(o.traceback or '').rstrip()}")
+            elif o.kind == "exited":
+                lines.append(f"--- rank {o.rank} failed ---\nrank {o.rank} {o.describe()}")
+        hung = [o for o in failed if o.kind == "timeout"]
+        if hung:
+            lines.append(f"--- ranks {[o.rank for o in hung]} {hung[0].describe()} ---")
+        return cls("\n".join(lines), outcomes)
 
 
 def _child(
@@ -86,7 +194,10 @@ def run_ranks(
     Raises
     ------
     RankFailure
-        Any rank raised or did not finish within ``timeout_s``.
+        Any rank raised, ended without a report (``os._exit``, a crash, a signal)
+        or did not finish within ``timeout_s``; its message and
+        :attr:`~RankFailure.outcomes` hold every rank's outcome, the surviving
+        ranks' results included.
     """
     launched = launched_world()
     if launched is not None and os.environ.get("IPC_DPSAMPLE_SPAWNED") != "1":
@@ -104,35 +215,40 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
+    outcomes: dict[int, RankOutcome] = {}
+    dead_since: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
-    while len(results) + len(failures) < world_size:
+    while len(outcomes) < world_size:
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
-            rank, ok, payload = queue.get(timeout=min(left, 1.0))
-        except Exception:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            for r in dead:
-                if r not in results and r not in failures:
-                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} and no report"
+            rank, ok, payload = queue.get(timeout=min(left, 0.2))
+        except queue_module.Empty:
+            # a process that ended without a report (os._exit, a crash, a signal):
+            # once its report had time to arrive, its exit code is its outcome
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in outcomes and p.exitcode is not None:
+                    if now - dead_since.setdefault(r, now) >= _REPORT_GRACE_S:
+                        outcomes[r] = RankOutcome(r, "exited", exitcode=p.exitcode)
             continue
-        (results if ok else failures)[rank] = payload
-    missing = [r for r in range(world_size) if r not in results and r not in failures]
+        if ok:
+            outcomes[rank] = RankOutcome(rank, "returned", result=payload)
+        else:
+            outcomes[rank] = RankOutcome(rank, "raised", traceback=payload)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=10)
-    if failures or missing:
-        parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
-        if missing:
-            parts.append(
-                f"--- ranks {missing} did not finish within {timeout_s:.0f} s (killed) ---"
-            )
-        raise RankFailure("\n".join(parts))
-    return [results[r] for r in range(world_size)]
+    every = [
+        outcomes.get(r)
+        or RankOutcome(r, "timeout", hung=f"did not finish within {timeout_s:.0f} s (killed)")
+        for r in range(world_size)
+    ]
+    if not all(o.ok for o in every):
+        raise RankFailure.from_outcomes(every)
+    return [o.result for o in every]
 
 
 def _run_launched(world_size: int, body: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
@@ -212,10 +328,17 @@ def run_threads(
     deadline = time.monotonic() + timeout_s
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    hung = {r for r, t in enumerate(threads) if t.is_alive()}
     if failures or hung:
-        parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
-        if hung:
-            parts.append(f"--- ranks {hung} still running after {timeout_s:.0f} s ---")
-        raise RankFailure("\n".join(parts))
+        # a hung thread cannot be killed: its outcome says it is still running
+        raise RankFailure.from_outcomes(
+            [
+                RankOutcome(r, "timeout", hung=f"still running after {timeout_s:.0f} s")
+                if r in hung
+                else RankOutcome(r, "raised", traceback=failures[r])
+                if r in failures
+                else RankOutcome(r, "returned", result=results[r])
+                for r in range(world_size)
+            ]
+        )
     return results

@@ -608,6 +608,35 @@ def harness_hang(rank: int, world: int, group: Any) -> int:
     return rank
 
 
+def harness_exit(rank: int, world: int, group: Any, victim: int, code: int) -> dict[str, int]:
+    """Rank ``victim`` ends its process with ``os._exit(code)`` (no report, no
+    clean-up); the others return ``{"rank": rank, "square": rank * rank}``."""
+    if rank == victim:
+        os._exit(code)
+    return {"rank": rank, "square": rank * rank}
+
+
+def harness_signal(rank: int, world: int, group: Any, victim: int) -> int:
+    """Rank ``victim`` kills itself with SIGKILL; the others return their rank."""
+    import signal
+
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    return rank
+
+
+def harness_mixed(rank: int, world: int, group: Any) -> str:
+    """Rank 0 returns, rank 1 raises, rank 2 exits with code 5, rank 3 hangs."""
+    if rank == 1:
+        raise ValueError("deliberate error on rank 1")
+    if rank == 2:
+        os._exit(5)
+    if rank == 3:
+        time.sleep(3600)
+    return f"ok from {rank}"
+
+
 # -- overlapping subgroups ---------------------------------------------------------------
 SUBGROUPS = ((0, 1), (0, 1, 2), (1, 2, 3), (0, 1), (2, 3))
 
