@@ -9,11 +9,16 @@
 #   * benchmark: tp=8 ranks sharing the GPU, 64 requests, 64 new tokens, 3 runs each
 #     (run 1 includes warm-up), swap and argmax, greedy and sampled, eager and graphed.
 #
-# Usage: examples/spec_decode_gpu.sh [LOG_DIR]   (default: spec_decode_gpu_logs)
-# Every run's output is kept in LOG_DIR/<name>.log; summary.txt holds one line per run.
-set -euo pipefail
+# Usage: examples/spec_decode_gpu.sh [LOG_DIR [check|bench|all]]
+#   (defaults: spec_decode_gpu_logs, all). Every run's output is kept in
+#   LOG_DIR/<name>.log and summary.txt holds one line per run. A failing run does not
+#   stop the others; the script exits non-zero at the end, naming them. RUN_TIMEOUT
+#   (seconds, default 400) bounds each run.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-spec_decode_gpu_logs}
+phase=${2:-all}
+failed=()
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=32
 py=${PYTHON:-python3}
@@ -26,13 +31,17 @@ run() {
     local name=$1
     shift
     echo "=== $name: python examples/spec_decode.py $*"
-    "$py" examples/spec_decode.py "$@" 2>&1 | tee "$logs/$name.log"
-    echo "$name" >>"$logs/runs.txt"
+    if timeout "${RUN_TIMEOUT:-400}" "$py" examples/spec_decode.py "$@" 2>&1 | tee "$logs/$name.log"; then
+        echo "$name" >>"$logs/runs.txt"
+    else
+        failed+=("$name")
+    fi
 }
 
 "$py" -c 'import torch, cupy; print("torch", torch.__version__, torch.cuda.get_device_name(0), "cupy", cupy.__version__)'
 git log -1 --format='commit %h %cd' 2>/dev/null || true
 
+if [ "$phase" != bench ]; then
 run ref $small --no-spec
 for tp in 1 2 4 8; do
     for route in swap argmax; do
@@ -46,6 +55,9 @@ run procs-swap-tp2 $small --tp 2 --verify swap --launch processes --check
 run sampled-swap-tp1 $small --tp 1 --verify swap $sampled --check
 run sampled-swap-tp8 $small --tp 8 --verify swap $sampled --check
 run sampled-graph-tp8 $small --tp 8 --verify swap $sampled --cuda-graph --check
+fi
+
+if [ "$phase" != check ]; then
 
 run bench-nospec-tp1 $big --no-spec
 for route in swap argmax; do
@@ -54,6 +66,7 @@ for route in swap argmax; do
 done
 run bench-swap-tp8-sampled $big --tp 8 --verify swap $sampled
 run bench-swap-tp8-sampled-graph $big --tp 8 --verify swap $sampled --cuda-graph
+fi
 echo "=== summary (ms per step of the last run; share: verify comm + math over the step)"
 "$py" - "$logs" <<'PY' | tee "$logs/summary.txt"
 import json, pathlib, sys
@@ -68,3 +81,7 @@ for name in (logs / "runs.txt").read_text().split():
         f"verify={t['verify_math']:.2f} rest={t['rest']:.2f} share={d['verify_share']:.3f}"
     )
 PY
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]} (see $logs/<name>.log)" >&2
+    exit 1
+fi
