@@ -43,6 +43,13 @@ So a rank raises within ``timeout_s + REPORT_WAIT_S`` (+ a few store round trips
 of entering the op. After any of these errors the communicator is poisoned: every
 later call (and :meth:`TorchBackend.check`) raises the same error again.
 
+Host copies
+-----------
+On CPU the swap's per-call copies (pack, own rows, unpack) are NumPy copies of
+the same memory, on the calling thread, so its cost does not depend on torch's
+thread count (see :meth:`TorchBackend.swap_batch_vocab`); the own rows are copied
+while the collective is in flight.
+
 Real rows (``bs``)
 ------------------
 A host ``bs`` moves only real rows: to peer ``p`` the rows of its
