@@ -406,9 +406,10 @@ def _rank(
             device=device,
             timeout_s=args.timeout,
         )
+    verifier: Verifier | GraphedVerifier | None = None
     try:
         route = "local" if comm is None else args.verify
-        verifier: Verifier | GraphedVerifier = Verifier(
+        verifier = Verifier(
             route,
             comm,
             tp=tp,
@@ -421,14 +422,16 @@ def _rank(
         )
         graphed = False
         if args.cuda_graph and comm is not None:
-            if comm.backend == "torch":
-                notes.append(
-                    "--cuda-graph: the torch backend cannot be captured "
-                    f"({comm.explain()}); the verify step runs eagerly"
-                )
-            else:
+            # explain() starts with the path that moves the data; torch.distributed's
+            # (gloo, or its NCCL group) cannot be captured
+            if comm.explain().split(":", 1)[0] in ("onesided", "nccl"):
                 verifier = GraphedVerifier(verifier, group, rank, tp)
                 graphed = True
+            else:
+                notes.append(
+                    f"--cuda-graph: this path cannot be captured ({comm.explain()}); "
+                    "the verify step runs eagerly"
+                )
         decoder = Decoder(
             model,
             verifier,
@@ -442,9 +445,9 @@ def _rank(
             check_index=route in ("swap", "argmax", "local"),
         )
         runs = [decoder.generate(prompts, budgets) for _ in range(args.repeat)]
-        if isinstance(verifier, GraphedVerifier):
-            verifier.release()
     finally:
+        if isinstance(verifier, GraphedVerifier):
+            verifier.release()  # graphs first: NCCL keeps communicators they captured
         if comm is not None:
             comm.close()
     return {
@@ -469,7 +472,7 @@ def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = launched_world()
     if world is not None and os.environ.get("IPC_DPSAMPLE_SPAWNED") != "1":
         rank, size = init_distributed("gloo" if args.device == "cpu" else None)
-        if args.tp not in (None, size):
+        if args.tp != size:
             raise SystemExit(f"error: --tp {args.tp} but the launcher started {size} ranks")
         opts["tp"] = size
         report = rank_main(rank, size, None, opts)
@@ -524,7 +527,7 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
     if sampling is not None:
         how = f"sampled (temperature {sampling.temperature}, top_k {sampling.top_k}, "
         how += f"top_p {sampling.top_p})"
-    tp = args.tp or 1
+    tp = args.tp
     out(
         f"spec_decode: {mode} tp={tp} device={args.device} backend={rep['backend']} "
         f"logits={args.logits_dtype} N={rep['n']} requests={args.requests} {how} "
@@ -638,9 +641,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.buckets = [int(b) for b in args.buckets.split(",") if b]
         except ValueError:
             p.error(f"--buckets {args.buckets!r}: expected integers like 4,8")
-    if launched_world() is None and args.tp is None:
-        args.tp = 1
-    tp = args.tp or 1
+    if args.tp is None:  # under torchrun / mpirun: the launched world
+        world = launched_world()
+        args.tp = 1 if world is None else world[1]
+    tp = args.tp
     if tp < 1:
         p.error(f"--tp {tp}: expected >= 1")
     if args.no_spec and tp != 1:
