@@ -203,6 +203,7 @@ class Decoder:
         check_index: bool,
     ) -> None:
         self.model, self.verifier, self.n, self.buckets = model, verifier, n, buckets
+        self.tp = model.tp
         self.device, self.clock, self.sampling, self.seed = device, clock, sampling, seed
         self.check_index = check_index
         self.bs_dev = torch.zeros(1, dtype=torch.int32, device=device) if device_bs else None
@@ -241,6 +242,7 @@ class Decoder:
                 h = model.trunk(cand, pos, slots, cache)
                 local_logits = model.head_logits_shard(h.reshape(pad_bs * n, cfg.hidden))
             x = self._inputs(live, pad_bs, local_logits, cand)
+            per_rank = pad_bs // self.tp
             predict, accept_index, accept_length = self.verifier.run(x, pad_bs)
             pred = predict[:bs].tolist()
             alen = accept_length[:bs].tolist()
@@ -249,10 +251,11 @@ class Decoder:
                 k = int(alen[i])
                 if not 1 <= k <= n:
                     raise RuntimeError(f"step {steps}: request {q.rid} accept_length {k}")
-                if aidx is not None and aidx[i] != [i * n + j for j in range(k)] + [-1] * (n - k):
+                row0 = (i % per_rank) * n  # TokenSpeed numbers the owner rank's rows
+                if aidx is not None and aidx[i] != [row0 + j for j in range(k)] + [-1] * (n - k):
                     raise RuntimeError(
                         f"step {steps}: request {q.rid} (row {i}) accept_index {aidx[i]} "
-                        f"!= rows {i * n} .. {i * n + k - 1} then -1"
+                        f"!= {row0} .. {row0 + k - 1} then -1"
                     )
                 new = [int(t) for t in pred[i][:k]]
                 q.length += k
@@ -415,16 +418,23 @@ def _rank(
             tp=tp,
             rank=rank,
             n=n,
+            vocab_size=cfg.vocab_size,
             vocab_limit=cfg.vocab_limit,
             sampling=sampling,
             clock=clock,
             fence=fence,
+            sampler=args.sampler,
         )
         graphed = False
         if args.cuda_graph and comm is not None:
             # explain() starts with the path that moves the data; torch.distributed's
             # (gloo, or its NCCL group) cannot be captured
-            if comm.explain().split(":", 1)[0] in ("onesided", "nccl"):
+            if sampling is not None and args.sampler == "package":
+                notes.append(
+                    "--cuda-graph: the package's sampler runs on the host and cannot be "
+                    "captured; the verify step runs eagerly"
+                )
+            elif comm.explain().split(":", 1)[0] in ("onesided", "nccl"):
                 verifier = GraphedVerifier(verifier, group, rank, tp)
                 graphed = True
             else:
@@ -442,7 +452,7 @@ def _rank(
             sampling=sampling,
             device_bs=args.device_bs or graphed,
             seed=args.seed,
-            check_index=route in ("swap", "argmax", "local"),
+            check_index=True,
         )
         runs = [decoder.generate(prompts, budgets) for _ in range(args.repeat)]
     finally:
@@ -526,7 +536,7 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
     how = "greedy"
     if sampling is not None:
         how = f"sampled (temperature {sampling.temperature}, top_k {sampling.top_k}, "
-        how += f"top_p {sampling.top_p})"
+        how += f"top_p {sampling.top_p}, {args.sampler} sampler)"
     tp = args.tp
     out(
         f"spec_decode: {mode} tp={tp} device={args.device} backend={rep['backend']} "
@@ -587,7 +597,7 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
         "device": args.device,
         "backend": rep["backend"],
         "logits_dtype": args.logits_dtype,
-        "sampling": None if sampling is None else vars(sampling),
+        "sampling": None if sampling is None else vars(sampling) | {"sampler": args.sampler},
         "seed": args.seed,
         "bs": "device" if args.device_bs or rep["graphed"] else "host",
         "cuda_graph": rep["graphed"],
@@ -619,6 +629,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--temperature", type=float, default=0.0, help="0: greedy")
     a("--top-k", type=int, default=None)
     a("--top-p", type=float, default=None)
+    a(
+        "--sampler",
+        choices=("torch", "package"),
+        default="torch",
+        help="sampled verify: the example's torch sampler, or the package's reference\n"
+        "(ipc_dpsample.layout, NumPy on the host: the tokens verify_batch_vocab gives)",
+    )
     a("--logits-dtype", choices=tuple(DTYPES), default="float32")
     a("--buckets", default=None, help="padded batch sizes, e.g. 4,8 (multiples of tp)")
     a("--device-bs", action="store_true", help="pass bs as an int32 device scalar")
@@ -669,6 +686,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--top-k / --top-p select sampled verify: give --temperature > 0 too")
     if args.top_k is not None and args.top_k < 1:
         p.error(f"--top-k {args.top_k}: expected >= 1")
+    if args.sampler == "package" and args.top_k is not None and args.top_k > 128:
+        p.error(f"--top-k {args.top_k}: the package's sampler takes top-k up to 128")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         p.error(f"--top-p {args.top_p}: expected 0 < top_p <= 1")
     if args.requests < 1 or args.max_new_tokens < 1 or args.draft_tokens < 1 or args.repeat < 1:

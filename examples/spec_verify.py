@@ -16,10 +16,16 @@ Acceptance (TokenSpeed's chain verify, ``runtime/sampling/backends/greedy.py``):
 row ``i - 1`` and every earlier draft was accepted; the target's token after the last
 accepted draft is the bonus token. Per request, ``predict[j]`` is the target's token at
 row ``j``, ``accept_length`` = accepted drafts + 1 (the tokens the request gains), and
-``accept_index[j]`` = the flat row ``req * N + j`` of ``predict`` for ``j <
-accept_length``, else ``-1``. TokenSpeed's DP route computes ``accept_index`` from the
-rank's local rows; here the rank adds its first request's index, so the gathered
-``accept_index`` indexes the gathered ``predict`` directly.
+``accept_index[j]`` = ``local_req * N + j`` for ``j < accept_length``, else ``-1``:
+TokenSpeed's Batch-DP route numbers the rows of the rank that verified the request
+(``local_req = req % (pad_bs / tp)``), and so does the package's reference
+(``ipc_dpsample.layout.accept_chain``).
+
+Samplers (``--sampler``): ``torch`` is :func:`sample_full_rows` below (torch, on the
+device, capturable in a CUDA graph); ``package`` is the package's NumPy reference of
+``verify_batch_vocab``'s sampling (``ipc_dpsample.layout.sample_full_rows``: Philox
+noise, TokenSpeed's filters), run on the host, so that swap and argmax-free sampled
+runs give the tokens ``verify_batch_vocab`` gives.
 """
 
 from __future__ import annotations
@@ -187,9 +193,9 @@ def sample_full_rows(
 
 # -- acceptance bookkeeping ------------------------------------------------------------
 def chain_verify(
-    candidates: torch.Tensor, target: torch.Tensor, first_req: int = 0
+    candidates: torch.Tensor, target: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chain acceptance of ``R`` requests (see the module docstring).
+    """Chain acceptance of a rank's ``R`` requests (see the module docstring).
 
     Parameters
     ----------
@@ -197,18 +203,17 @@ def chain_verify(
         Column 0: the request's last accepted token; columns ``1..N-1``: its drafts.
     target : int ``[R, N]``
         The target's token (arg-max or sampled) at every row.
-    first_req : int
-        Global index of the first of these requests (``accept_index`` offset).
 
     Returns
     -------
     (predict int32 ``[R, N]``, accept_index int32 ``[R, N]``, accept_length int32 ``[R]``)
+        ``accept_index`` numbers these ``R * N`` rows (TokenSpeed's Batch-DP route).
     """
     r, n = target.shape
     match = (candidates[:, 1:].to(torch.int64) == target[:, :-1].to(torch.int64)).to(torch.int32)
     accepted = torch.cumprod(match, dim=1).sum(dim=1)  # [R]: the leading run of matches
     col = torch.arange(n, device=target.device)[None, :]
-    flat = (torch.arange(r, device=target.device)[:, None] + first_req) * n + col
+    flat = torch.arange(r, device=target.device)[:, None] * n + col
     accept_index = torch.where(col <= accepted[:, None], flat, torch.full_like(flat, -1))
     return (
         target.to(torch.int32),
@@ -302,8 +307,9 @@ class Verifier:
     route : ``"swap"``, ``"argmax"``, ``"fused"`` or ``"local"`` (tp=1, no
         communicator: the plain-decoding reference)
     comm : DpSamplingComm or None
-    tp, rank, n, vocab_limit : int
+    tp, rank, n, vocab_size, vocab_limit : int
     sampling : SamplingParams or None (greedy)
+    sampler : ``"torch"`` or ``"package"`` (see the module docstring)
     clock : Clock
     fence : Fence
     """
@@ -316,18 +322,23 @@ class Verifier:
         tp: int,
         rank: int,
         n: int,
+        vocab_size: int,
         vocab_limit: int,
         sampling: SamplingParams | None,
         clock: Clock,
         fence: Fence,
+        sampler: str = "torch",
     ) -> None:
         if route == "argmax" and sampling is not None:
             raise ValueError("the argmax route is greedy only (argmax_batch_vocab)")
         if route == "fused" and not hasattr(comm, "verify_batch_vocab"):
             raise ValueError("this ipc_dpsample has no DpSamplingComm.verify_batch_vocab")
         self.route, self.comm = route, comm
-        self.tp, self.rank, self.n, self.vocab_limit = tp, rank, n, vocab_limit
-        self.sampling, self.clock, self.fence = sampling, clock, fence
+        if sampler not in ("torch", "package"):
+            raise ValueError(f"sampler={sampler!r}; expected 'torch' or 'package'")
+        self.tp, self.rank, self.n = tp, rank, n
+        self.vocab_size, self.vocab_limit = vocab_size, vocab_limit
+        self.sampling, self.clock, self.fence, self.sampler = sampling, clock, fence, sampler
         self._top_k: dict[int, torch.Tensor] = {}
         self._top_p: dict[int, torch.Tensor] = {}
 
@@ -343,6 +354,8 @@ class Verifier:
         """The target's token of every full row of requests ``req0 .. req0+reqs-1``."""
         if self.sampling is None:
             return torch.argmax(rows, dim=-1)
+        if self.sampler == "package":
+            return self._target_package(rows, x, req0, reqs)
         sl, n = slice(req0, req0 + reqs), self.n
 
         def per_row(t: torch.Tensor) -> torch.Tensor:  # [reqs] -> [reqs * N]
@@ -357,6 +370,43 @@ class Verifier:
             top_k=self.sampling.top_k,
             top_p=self.sampling.top_p,
         )
+
+    def _target_package(
+        self, rows: torch.Tensor, x: StepInputs, req0: int, reqs: int
+    ) -> torch.Tensor:
+        """The package's reference sampler on the host (NumPy): the tokens
+        ``verify_batch_vocab`` gives for these rows."""
+        import numpy as np
+
+        from ipc_dpsample import layout
+
+        s, n = self.sampling, self.n
+        assert s is not None
+        pad_bs = x.temperature.shape[0]
+        host = {k: getattr(x, k).cpu().numpy() for k in ("temperature", "seed", "offset")}
+        vp = layout.verify_params(
+            pad_bs=pad_bs,
+            num_tokens_per_req=n,
+            vocab_size=self.vocab_size,
+            temperature=host["temperature"].astype(np.float32),
+            seed=host["seed"].astype(np.int64),
+            offset=host["offset"].astype(np.int64),
+            top_k=None if s.top_k is None else np.full(pad_bs, s.top_k, np.int32),
+            top_p=None if s.top_p is None else np.full(pad_bs, s.top_p, np.float32),
+            vocab_limit=self.vocab_limit,
+            bs=int(x.bs) if isinstance(x.bs, int) else int(x.bs.reshape(-1)[0]),
+        )
+        sl = slice(req0 * n, (req0 + reqs) * n)
+        tok = layout.sample_full_rows(
+            rows.to(torch.float32).cpu().numpy(),
+            temperature=vp.per_row(vp.temperature)[sl],
+            top_k=vp.per_row(vp.top_k)[sl],
+            top_p=vp.per_row(vp.top_p)[sl],
+            min_p=vp.per_row(vp.min_p)[sl],
+            greedy=vp.greedy_rows[sl],
+            stream_key=vp.stream_keys[sl],
+        )
+        return torch.from_numpy(tok.astype(np.int64)).to(rows.device)
 
     def run(self, x: StepInputs, pad_bs: int) -> VerifyOut:
         r = pad_bs // self.tp
@@ -385,7 +435,7 @@ class Verifier:
             )
             target = ids.view(r, n)
         with self.clock.section("verify_math"):
-            p, a, length = chain_verify(x.candidates[req0 : req0 + r], target, req0)
+            p, a, length = chain_verify(x.candidates[req0 : req0 + r], target)
         return self._op("gather", comm.gather_verify_outputs, p, a, length, pad_bs=pad_bs, bs=x.bs)
 
     def _fused(self, x: StepInputs, pad_bs: int) -> VerifyOut:

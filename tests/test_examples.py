@@ -168,11 +168,23 @@ def test_sampled_swap_is_identical_across_tp_and_follows_the_seed() -> None:
     assert "check: tokens identical to plain sampled" in tp2["_stdout"]  # vs --no-spec
     tp1 = run_json(f"--tp 1 --verify swap {SAMPLED} {COMMON}")
     assert_same_tokens(tp1, tp2, "sampled swap tp=1 vs tp=2, seed 3")
-    assert tp2["sampling"] == {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+    assert tp2["sampling"] == {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "sampler": "torch"}
     other = run_in_process(f"--no-spec {SAMPLED} {COMMON.replace('--seed 3', '--seed 4')}")
     assert spec_decode.first_difference(other["tokens"], tp2["tokens"]) is not None, (
         "another seed must sample other tokens"
     )
+
+
+@pytest.mark.multirank
+def test_the_packages_sampler_gives_the_same_tokens_at_every_tp() -> None:
+    """``--sampler package``: ipc_dpsample.layout's reference of verify_batch_vocab's
+    sampling (NumPy on the host; a smaller vocabulary keeps its Philox noise cheap)."""
+    small_vocab = "--vocab-size 4200 --vocab-limit 4000"
+    got = run_json(
+        f"--tp 3 --verify swap --sampler package {SAMPLED} {small_vocab} {COMMON} --check"
+    )
+    assert "check: tokens identical to plain sampled" in got["_stdout"]  # vs --no-spec tp=1
+    assert got["sampling"]["sampler"] == "package" and 0 < got["accept_rate"] < 1
 
 
 # -- weights from a file -------------------------------------------------------------------
@@ -245,11 +257,10 @@ def test_fused_says_it_is_not_available() -> None:
 def test_fused_matches_swap(greedy_reference: dict[str, Any]) -> None:
     got = run_json(f"--tp 2 --verify fused --device-bs {COMMON}")
     assert_same_tokens(got, greedy_reference, "greedy fused tp=2 vs --no-spec")
-    # sampled: equal only while the example's sampler and the package's agree on the
-    # noise (spec_verify.sample_full_rows, the semantics DESIGN.md states)
+    # sampled: the package's reference sampler on full rows gives verify_batch_vocab's tokens
     fused = run_json(f"--tp 3 --verify fused {SAMPLED} {COMMON}")
-    swap = run_json(f"--tp 1 --verify swap {SAMPLED} {COMMON}")
-    assert_same_tokens(fused, swap, "sampled fused tp=3 vs sampled swap tp=1")
+    swap = run_json(f"--tp 1 --verify swap --sampler package {SAMPLED} {COMMON}")
+    assert_same_tokens(fused, swap, "sampled fused tp=3 vs swap with the package's sampler")
 
 
 def test_argmax_is_greedy_only() -> None:
@@ -292,10 +303,11 @@ def test_head_shards_are_bitwise_slices_of_the_full_logits(tp: int) -> None:
 def test_chain_verify_follows_tokenspeeds_convention() -> None:
     cand = torch.tensor([[5, 7, 8, 9], [5, 1, 8, 9], [5, 7, 2, 9]], dtype=torch.int32)
     target = torch.tensor([[7, 8, 9, 4], [7, 8, 9, 4], [7, 8, 9, 4]])
-    predict, index, length = spec_verify.chain_verify(cand, target, first_req=2)
+    predict, index, length = spec_verify.chain_verify(cand, target)
     assert length.tolist() == [4, 1, 2]  # accepted drafts + the bonus token
     assert predict.tolist() == target.tolist() and predict.dtype == torch.int32
-    assert index.tolist() == [[8, 9, 10, 11], [12, -1, -1, -1], [16, 17, -1, -1]]
+    # rows of this rank's requests, as TokenSpeed's Batch-DP route numbers them
+    assert index.tolist() == [[0, 1, 2, 3], [4, -1, -1, -1], [8, 9, -1, -1]]
 
 
 def _fmix32_py(x: int) -> int:
