@@ -6,6 +6,8 @@
 #     difference); the same with --cuda-graph, with bfloat16 logits, and with rank
 #     processes (CUDA IPC) instead of threads;
 #   * sampled: swap at tp = 1 and 8, eager and graphed, against plain sampled decoding;
+#     with the package's reference sampler at tp=4; fused (when the package has
+#     verify_batch_vocab) greedy and sampled against plain decoding with that sampler;
 #   * benchmark: tp=8 ranks sharing the GPU, 64 requests, 64 new tokens, 3 runs each
 #     (run 1 includes warm-up), swap and argmax, greedy and sampled, eager and graphed.
 #
@@ -55,6 +57,16 @@ run procs-swap-tp2 $small --tp 2 --verify swap --launch processes --check
 run sampled-swap-tp1 $small --tp 1 --verify swap $sampled --check
 run sampled-swap-tp8 $small --tp 8 --verify swap $sampled --check
 run sampled-graph-tp8 $small --tp 8 --verify swap $sampled --cuda-graph --check
+# the package's reference sampler (host NumPy; a small vocabulary keeps it quick)
+pkg="--sampler package --vocab-size 4200 --vocab-limit 4000"
+run sampled-pkg-swap-tp4 $small --tp 4 --verify swap $sampled $pkg --check
+if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(not hasattr(C, "verify_batch_vocab"))'; then
+    for tp in 2 8; do
+        run "greedy-fused-tp$tp" $small --tp "$tp" --verify fused --device-bs --check
+        run "sampled-fused-tp$tp" $small --tp "$tp" --verify fused $sampled $pkg --check
+    done
+    run graph-fused-tp8 $small --tp 8 --verify fused --cuda-graph --check
+fi
 fi
 
 if [ "$phase" != check ]; then
@@ -66,6 +78,12 @@ for route in swap argmax; do
 done
 run bench-swap-tp8-sampled $big --tp 8 --verify swap $sampled
 run bench-swap-tp8-sampled-graph $big --tp 8 --verify swap $sampled --cuda-graph
+if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(not hasattr(C, "verify_batch_vocab"))'; then
+    run bench-fused-tp8 $big --tp 8 --verify fused
+    run bench-fused-tp8-graph $big --tp 8 --verify fused --cuda-graph
+    run bench-fused-tp8-sampled $big --tp 8 --verify fused $sampled
+    run bench-fused-tp8-sampled-graph $big --tp 8 --verify fused $sampled --cuda-graph
+fi
 fi
 echo "=== summary (ms per step of the last run; share: verify comm + math over the step)"
 "$py" - "$logs" <<'PY' | tee "$logs/summary.txt"
