@@ -32,14 +32,46 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "MASS_GROUPS",
+    "MASS_GROUP_BINADES",
+    "MASS_MANTISSA_BITS",
+    "MAX_VOCAB",
+    "SAMPLING_EPS",
+    "TOP_K_DISABLED",
+    "TOP_K_MAX",
+    "TRITON_UNIFORM_SCALE",
+    "UNIFORM_MIN",
     "Layout",
+    "VerifyParams",
+    "accept_chain",
     "as_float32",
+    "check_candidates",
+    "check_logits",
+    "det_exp2_frac",
+    "det_log",
+    "finish_verify",
+    "group_mass",
+    "gumbel_noise",
+    "log_softmax_at",
+    "mass_terms",
+    "min_p_log",
+    "noise_stream_key",
+    "philox4x32_10",
+    "philox4x64_10",
+    "prefix_masses",
     "real_reqs",
     "reference_argmax_batch_vocab",
     "reference_gather",
     "reference_gather_verify_logprobs",
     "reference_gather_verify_outputs",
     "reference_swap_batch_vocab",
+    "reference_verify_batch_vocab",
+    "reference_verify_rows",
+    "sample_full_rows",
+    "top_p_threshold",
+    "torch_argmax",
+    "uniform_from_uint32",
+    "verify_params",
 ]
 
 
@@ -881,7 +913,7 @@ def sample_full_rows(
         if len(p_rows):
             zs = np.take_along_axis(z[p_rows], order[p_rows], axis=1)
             in_set = (k[p_rows, None] == 0) | (ids[None, :] < k[p_rows, None])
-            before = _prefix_masses(zs, in_set)
+            before = prefix_masses(zs, in_set)
             total = before[:, -1] if v else np.zeros(len(p_rows), np.int64)
             thr = top_p_threshold(top_p[idx][p_rows], total)
             keep_sorted = before[:, :-1] < thr[:, None]
@@ -897,7 +929,7 @@ def sample_full_rows(
     return tok.astype(np.int32)
 
 
-def _prefix_masses(z_sorted: np.ndarray, in_set: np.ndarray) -> np.ndarray:
+def prefix_masses(z_sorted: np.ndarray, in_set: np.ndarray) -> np.ndarray:
     """Exclusive prefix masses of rows sorted in key order, plus the total.
 
     Parameters
@@ -963,7 +995,9 @@ def accept_chain(
     )
 
 
-def _check_candidates(candidates: np.ndarray, pad_bs: int) -> int:
+def check_candidates(candidates: np.ndarray, pad_bs: int) -> int:
+    """Check ``candidates`` is int32 ``[pad_bs, N]`` (``N >= 1``) and return ``N``; raise
+    ``TypeError`` / ``ValueError`` naming the expected dtype / shape otherwise."""
     c = np.asarray(candidates)
     if c.dtype != np.int32:
         raise TypeError(f"candidates dtype {c.dtype} != expected int32")
@@ -972,7 +1006,9 @@ def _check_candidates(candidates: np.ndarray, pad_bs: int) -> int:
     return int(c.shape[1])
 
 
-def _check_logits(name: str, x: np.ndarray, dtype: str, shape: tuple[int, int]) -> None:
+def check_logits(name: str, x: np.ndarray, dtype: str, shape: tuple[int, int]) -> None:
+    """Check logits ``x`` are stored as ``dtype`` says (bfloat16: uint16 bits, float16,
+    float32) with ``shape``; raise ``TypeError`` / ``ValueError`` naming the expectation."""
     if dtype not in _DTYPE_STORAGE:
         raise ValueError(f"dtype={dtype!r}; expected bfloat16, float16 or float32")
     want = _DTYPE_STORAGE[dtype]
@@ -1029,11 +1065,11 @@ def reference_verify_rows(
         logprobs there.
     """
     pad_bs = int(np.asarray(candidates).shape[0]) if np.asarray(candidates).ndim == 2 else -1
-    n = _check_candidates(candidates, pad_bs)
+    n = check_candidates(candidates, pad_bs)
     if tp < 1 or pad_bs % tp:
         raise ValueError(f"pad_bs={pad_bs} must be a positive multiple of tp={tp}")
     v = int(np.asarray(logits).shape[1]) if np.asarray(logits).ndim == 2 else -1
-    _check_logits("logits", logits, dtype, (pad_bs * n, v))
+    check_logits("logits", logits, dtype, (pad_bs * n, v))
     params = verify_params(
         pad_bs=pad_bs,
         num_tokens_per_req=n,
@@ -1138,10 +1174,10 @@ def reference_verify_batch_vocab(
     """
     if len(inputs) != tp:
         raise ValueError(f"got {len(inputs)} inputs, expected tp={tp}")
-    n = _check_candidates(candidates, pad_bs)
+    n = check_candidates(candidates, pad_bs)
     shard = int(np.asarray(inputs[0]).shape[1]) if np.asarray(inputs[0]).ndim == 2 else -1
     for s, x in enumerate(inputs):
-        _check_logits(f"inputs[{s}]", np.asarray(x), dtype, (pad_bs * n, shard))
+        check_logits(f"inputs[{s}]", np.asarray(x), dtype, (pad_bs * n, shard))
     return reference_verify_rows(
         np.concatenate([np.asarray(x) for x in inputs], axis=1),
         candidates,

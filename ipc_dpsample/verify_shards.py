@@ -98,14 +98,15 @@ import numpy as np
 from .layout import (
     MASS_GROUPS,
     VerifyParams,
-    _check_candidates,
-    _check_logits,
     as_float32,
+    check_candidates,
+    check_logits,
     finish_verify,
     group_mass,
     gumbel_noise,
     mass_terms,
     min_p_log,
+    prefix_masses,
     sample_full_rows,
     top_p_threshold,
     torch_argmax,
@@ -257,7 +258,7 @@ def shard_records(
     """
     dt = record_dtype(list_cap, stair_cap)
     width = int(local_logits.shape[1])
-    _check_logits("local_logits", local_logits, dtype, (params.rows, width))
+    check_logits("local_logits", local_logits, dtype, (params.rows, width))
     if int(params.top_k.max(initial=0)) > list_cap:
         raise ValueError(f"top_k={int(params.top_k.max())} exceeds list_cap={list_cap}")
     base = shard * width
@@ -605,9 +606,7 @@ def _walk(
 def _merged_prefix(z: np.ndarray) -> np.ndarray:
     """Exclusive prefix masses (and the total) of merged columns in key order, with the
     exponent groups taken relative to the first column (the row's maximum)."""
-    from .layout import _prefix_masses
-
-    return _prefix_masses(z[None, :], np.ones((1, len(z)), bool))[0]
+    return prefix_masses(z[None, :], np.ones((1, len(z)), bool))[0]
 
 
 def _shard_total(r: np.ndarray, zmax: np.float32) -> int:
@@ -803,12 +802,12 @@ def verify_batch_vocab_sharded(
     """
     if len(inputs) != tp:
         raise ValueError(f"got {len(inputs)} inputs, expected tp={tp}")
-    n = _check_candidates(candidates, pad_bs)
+    n = check_candidates(candidates, pad_bs)
     if tp < 1 or pad_bs % tp:
         raise ValueError(f"pad_bs={pad_bs} must be a positive multiple of tp={tp}")
     shard = int(np.asarray(inputs[0]).shape[1]) if np.asarray(inputs[0]).ndim == 2 else -1
     for s, x in enumerate(inputs):
-        _check_logits(f"inputs[{s}]", np.asarray(x), dtype, (pad_bs * n, shard))
+        check_logits(f"inputs[{s}]", np.asarray(x), dtype, (pad_bs * n, shard))
     params = verify_params(
         pad_bs=pad_bs,
         num_tokens_per_req=n,
