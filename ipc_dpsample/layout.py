@@ -893,7 +893,7 @@ def sample_full_rows(
     has_nan = np.isnan(x).any(axis=1)
     temp = np.where(greedy, np.float32(1), temperature).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        xmax = np.max(np.where(np.isnan(x), np.float32(-np.inf), x), axis=1) if v else x[:, 0]
+        xmax = np.max(np.where(np.isnan(x), np.float32(-np.inf), x), axis=1)
         zmax = xmax / temp
     sampled = np.flatnonzero(~greedy & ~has_nan & np.isfinite(zmax))
     step = max(1, _SAMPLE_CHUNK_ELEMS // max(v, 1))
@@ -914,7 +914,7 @@ def sample_full_rows(
             zs = np.take_along_axis(z[p_rows], order[p_rows], axis=1)
             in_set = (k[p_rows, None] == 0) | (ids[None, :] < k[p_rows, None])
             before = prefix_masses(zs, in_set)
-            total = before[:, -1] if v else np.zeros(len(p_rows), np.int64)
+            total = before[:, -1]
             thr = top_p_threshold(top_p[idx][p_rows], total)
             keep_sorted = before[:, :-1] < thr[:, None]
             keep = np.empty_like(keep_sorted)
@@ -948,12 +948,14 @@ def prefix_masses(z_sorted: np.ndarray, in_set: np.ndarray) -> np.ndarray:
     grp, a = mass_terms(z_sorted)
     top = grp[:, :1]
     rows, n = z_sorted.shape
-    sums = np.zeros((rows, n + 1, MASS_GROUPS), dtype=np.int64)
+    out = np.zeros((rows, n + 1), dtype=np.int64)
+    part = np.zeros((rows, n + 1), dtype=np.int64)
     with np.errstate(invalid="ignore"):
         d = top - grp
-    for g in range(MASS_GROUPS):
-        np.cumsum(np.where(in_set & (d == g), a, 0), axis=1, out=sums[:, 1:, g])
-    return group_mass(sums)
+    for g in range(MASS_GROUPS):  # sum_g (exact group prefix sum) >> 8g, as group_mass
+        np.cumsum(np.where(in_set & (d == g), a, 0), axis=1, out=part[:, 1:])
+        out += part >> (MASS_GROUP_BINADES * g)
+    return out
 
 
 def accept_chain(

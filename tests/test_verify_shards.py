@@ -426,3 +426,23 @@ def test_shard_records_reject_a_top_k_above_the_list_capacity() -> None:
         )
     with pytest.raises(TypeError, match=r"local_logits dtype float64 != expected float32"):
         shard_records(np.zeros((1, 20)), shard=0, tp=2, dtype="float32", params=p)
+
+
+def test_sharded_entry_validates_like_the_reference() -> None:
+    kw = dict(
+        pad_bs=2,
+        dtype="float32",
+        temperature=np.ones(2, np.float32),
+        seed=np.zeros(2, np.int64),
+        offset=np.zeros(2, np.int64),
+    )
+    x = [np.zeros((2, 8), np.float32)] * 2
+    cand = np.zeros((2, 1), np.int32)
+    with pytest.raises(ValueError, match=r"got 2 inputs, expected tp=4"):
+        verify_batch_vocab_sharded(x, cand, tp=4, **kw)
+    with pytest.raises(ValueError, match=r"pad_bs=2 must be a positive multiple of tp=3"):
+        verify_batch_vocab_sharded([x[0]] * 3, cand, tp=3, **kw)
+    with pytest.raises(TypeError, match=r"inputs\[1\] dtype float16 != expected float32"):
+        verify_batch_vocab_sharded([x[0], x[1].astype(np.float16)], cand, tp=2, **kw)
+    with pytest.raises(ValueError, match=r"top_p\[1\]=2\.0"):
+        verify_batch_vocab_sharded(x, cand, tp=2, top_p=np.array([1, 2], np.float32), **kw)
