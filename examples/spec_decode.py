@@ -480,7 +480,11 @@ def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
     when it spawned the ranks; its own under torchrun, empty on ranks other than 0)."""
     opts = vars(args).copy()
     world = launched_world()
-    if world is not None and os.environ.get("IPC_DPSAMPLE_SPAWNED") != "1":
+    launched = world is not None and os.environ.get("IPC_DPSAMPLE_SPAWNED") != "1"
+    if args.no_spec:  # the reference: no communicator, no ranks (rank 0 reports)
+        report = rank_main(0, 1, None, opts)
+        return [report] if not launched or world[0] == 0 else []
+    if launched:
         rank, size = init_distributed("gloo" if args.device == "cpu" else None)
         if args.tp != size:
             raise SystemExit(f"error: --tp {args.tp} but the launcher started {size} ranks")
@@ -488,8 +492,6 @@ def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
         report = rank_main(rank, size, None, opts)
         return [report] if rank == 0 else []
     tp = args.tp
-    if args.no_spec:
-        return [rank_main(0, 1, None, opts)]
     if args.device == "cuda":
         if args.launch == "processes":
             return run_ranks(tp, rank_main, opts, timeout_s=args.timeout * 4 + 300)
@@ -660,7 +662,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--buckets {args.buckets!r}: expected integers like 4,8")
     if args.tp is None:  # under torchrun / mpirun: the launched world
         world = launched_world()
-        args.tp = 1 if world is None else world[1]
+        args.tp = 1 if world is None or args.no_spec else world[1]
     tp = args.tp
     if tp < 1:
         p.error(f"--tp {tp}: expected >= 1")
