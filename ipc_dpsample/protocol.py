@@ -35,6 +35,7 @@ class Op(enum.IntEnum):
     GATHER_OUTPUTS = 2
     GATHER_LOGPROBS = 3
     ARGMAX = 4
+    VERIFY = 5
 
     @property
     def api_name(self) -> str:
@@ -55,7 +56,11 @@ _OP_API = {
     Op.GATHER_OUTPUTS: "gather_verify_outputs",
     Op.GATHER_LOGPROBS: "gather_verify_logprobs",
     Op.ARGMAX: "argmax_batch_vocab",
+    Op.VERIFY: "verify_batch_vocab",
 }
+
+#: Ops whose header carries the logits dtype (the others move int32).
+_LOGITS_OPS = (Op.SWAP, Op.ARGMAX, Op.VERIFY)
 
 
 class Dtype(enum.IntEnum):
@@ -139,7 +144,7 @@ class Call(NamedTuple):
             parts.append(f"bs={self.bs}")
         if self.n >= 0:
             parts.append(f"N={self.n}")
-        if self.op in (Op.SWAP, Op.ARGMAX) or self.dtype != Dtype.INT32:
+        if self.op in _LOGITS_OPS or self.dtype != Dtype.INT32:
             parts.append(Dtype.describe_code(self.dtype))
         text = f"{Op.describe_code(self.op)}({', '.join(parts)})"
         if self.graph:
@@ -162,15 +167,34 @@ class Call(NamedTuple):
         return cls(tag & 0xFF, (tag >> 8) & 0xFF, pad_bs, n, bs, seq, bool((tag >> 16) & 1))
 
 
-def divergence_message(rank: int, peer: int, mine: Call, theirs: Call, backend: str) -> str:
-    """The one message every backend raises when ranks' call sequences diverge."""
+def divergence_message(
+    rank: int,
+    peer: int,
+    mine: Call,
+    theirs: Call,
+    backend: str,
+    differs: Sequence[str] = (),
+) -> str:
+    """The one message every backend raises when ranks' call sequences diverge.
+
+    ``differs`` names the arguments that differed when the calls themselves agree
+    (``verify_batch_vocab``'s per-request parameters, compared by digest), e.g.
+    ``("temperature", "seed")``.
+    """
+    if differs:
+        what = (
+            f"rank {peer} called {theirs.describe()} with a different "
+            f"{', '.join(differs)} than rank {rank} passed to {mine.describe()}"
+        )
+    else:
+        what = f"rank {peer} called {theirs.describe()} while rank {rank} called {mine.describe()}"
     return (
-        f"rank {peer} called {theirs.describe()} while rank {rank} called {mine.describe()} "
-        f"({backend} backend, seen by rank {rank}): the ranks' call sequences diverged. Every "
-        "rank must call the same ops in the same order with the same pad_bs, bs and dtype "
-        "(and start capturing CUDA graphs at the same op). The outputs of that call are "
-        "undefined and this communicator is now unusable: every later call raises this "
-        "error; close it and build a new one"
+        f"{what} ({backend} backend, seen by rank {rank}): the ranks' call sequences diverged. "
+        "Every rank must call the same ops in the same order with the same pad_bs, bs and "
+        "dtype (verify_batch_vocab: also the same candidates, per-request parameters, "
+        "vocab_limit and return_logprobs; and start capturing CUDA graphs at the same op). "
+        "The outputs of that call are undefined and this communicator is now unusable: every "
+        "later call raises this error; close it and build a new one"
     )
 
 

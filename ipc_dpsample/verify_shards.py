@@ -97,6 +97,7 @@ import numpy as np
 
 from .layout import (
     MASS_GROUPS,
+    SAMPLING_EPS,
     VerifyParams,
     as_float32,
     check_candidates,
@@ -127,8 +128,10 @@ __all__ = [
     "Pending",
     "combine_probes",
     "combine_records",
+    "full_row_tokens",
     "probe_dtype",
     "probe_records",
+    "record_caps",
     "record_dtype",
     "record_words",
     "shard_records",
@@ -192,6 +195,30 @@ def record_dtype(list_cap: int = LIST_CAP, stair_cap: int = STAIR_CAP) -> np.dty
 def record_words(list_cap: int = LIST_CAP, stair_cap: int = STAIR_CAP) -> int:
     """32-bit words of one record (328 for the defaults)."""
     return record_dtype(list_cap, stair_cap).itemsize // 4
+
+
+def record_caps(params: VerifyParams) -> tuple[int, int]:
+    """The smallest record capacities ``(list_cap, stair_cap)`` that keep a call's
+    records as decisive as the defaults (``docs/verify_contract.md``, "Bytes and
+    rounds"): the list holds the largest top-k of the real rows, or :data:`LIST_CAP`
+    when a sampled row has top-p without top-k; the staircase holds :data:`STAIR_CAP`
+    entries when a sampled row has top-p or min-p without top-k, else 2 (the one entry
+    a temperature-only row sends, rounded up to keep the record 8-byte sized). The
+    list also covers the top-k of greedy rows, which :func:`shard_records` checks.
+
+    A function of the normalised parameters only, so ranks that agree on them agree
+    on the record size.
+    """
+    real = params.bs
+    k = params.top_k[:real]
+    sampled = ~((params.temperature[:real] < SAMPLING_EPS) | (k == 1))
+    no_k = sampled & (k == 0)
+    top_p_only = bool((no_k & (params.top_p[:real] < 1)).any())
+    banded = bool((no_k & (params.min_p[:real] > 0)).any())
+    # every real row's top-k (greedy ones too: shard_records checks them all)
+    list_cap = LIST_CAP if top_p_only else max(1, int(k.max(initial=0)))
+    stair_cap = STAIR_CAP if (top_p_only or banded) else 2
+    return list_cap, stair_cap
 
 
 def _empty_records(rows: int, dt: np.dtype) -> np.ndarray:
@@ -757,20 +784,44 @@ def sharded_tokens(
     if left:  # the exact fallback: these rows' full logits
         rows = np.array(left)
         full = np.concatenate([np.asarray(x)[rows] for x in inputs], axis=1)
-        x = as_float32(full[:, : params.vocab_limit], dtype)
-        per = params.per_row
-        tok = sample_full_rows(
-            x,
-            temperature=per(params.temperature)[rows],
-            top_k=per(params.top_k)[rows],
-            top_p=per(params.top_p)[rows],
-            min_p=per(params.min_p)[rows],
-            greedy=params.greedy_rows[rows],
-            stream_key=params.stream_keys[rows],
-        )
-        tokens[rows] = tok
-        token_val[rows] = x[np.arange(len(rows)), tok]
+        tokens[rows], token_val[rows] = full_row_tokens(full, rows, dtype=dtype, params=params)
     return tokens, comb.logprobs(token_val), rounds
+
+
+def full_row_tokens(
+    full: np.ndarray, rows: np.ndarray, *, dtype: str, params: VerifyParams
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exact fallback (round 3): rows sampled from their full logits.
+
+    Parameters
+    ----------
+    full : ``[len(rows), V]`` (bfloat16 as uint16 bits, float16, float32)
+        The rows' logits, every shard's columns side by side (at least the first
+        ``vocab_limit``).
+    rows : int ``[len(rows)]``
+        Their row indices ``req * N + d`` (they pick the per-row parameters).
+    dtype : str
+    params : VerifyParams
+
+    Returns
+    -------
+    tokens : int32 ``[len(rows)]``
+    token_val : float32 ``[len(rows)]``
+        The tokens' raw logits (for :meth:`Combined.logprobs`).
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    x = as_float32(np.asarray(full)[:, : params.vocab_limit], dtype)
+    per = params.per_row
+    tok = sample_full_rows(
+        x,
+        temperature=per(params.temperature)[rows],
+        top_k=per(params.top_k)[rows],
+        top_p=per(params.top_p)[rows],
+        min_p=per(params.min_p)[rows],
+        greedy=params.greedy_rows[rows],
+        stream_key=params.stream_keys[rows],
+    )
+    return tok, x[np.arange(len(rows)), tok]
 
 
 def verify_batch_vocab_sharded(
