@@ -13,8 +13,10 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..arrays import ArrayInfo
 from ..config import BackendName
+from ..errors import BackendUnavailableError
+from ..layout import VerifyParams
 
-__all__ = ["Backend", "RealRows"]
+__all__ = ["Backend", "RealRows", "verify_unavailable"]
 
 
 class RealRows(NamedTuple):
@@ -100,9 +102,49 @@ class Backend(ABC):
         ``[R*N]``) for this rank's requests (see
         :func:`ipc_dpsample.layout.reference_argmax_batch_vocab`)."""
 
+    def verify_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        candidates: Any,
+        candidates_info: ArrayInfo,
+        *,
+        pad_bs: int,
+        params: VerifyParams,
+        return_logprobs: bool,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, ...]:
+        """``x[pad_bs*N, V/tp]`` and int32 ``candidates[pad_bs, N]`` -> (predict int32
+        ``[pad_bs, N]``, accept_index int32 ``[pad_bs, N]``, accept_length int32
+        ``[pad_bs]``, and with ``return_logprobs`` logprobs float32 ``[pad_bs, N]``) of
+        the whole batch, as :func:`ipc_dpsample.layout.reference_verify_batch_vocab`.
+
+        ``params`` are validated and on the host (:func:`ipc_dpsample.layout.
+        verify_params`; ``params.bs`` real requests, also in ``bs``, a host value).
+        A backend without this op raises :class:`BackendUnavailableError` (this
+        default)."""
+        raise verify_unavailable(
+            f"the {type(self).__name__} path (backend {self.name!r}"
+            + (", through fallback_comm_backend)" if self.name == "torch" else ")")
+            + " does not implement it in this version"
+        )
+
     def check(self) -> None:  # noqa: B027 - optional hook
         """Raise any error an earlier asynchronous op reported."""
 
     @abstractmethod
     def close(self) -> None:
         """Release every resource; called once, collectively."""
+
+
+def verify_unavailable(why: str) -> BackendUnavailableError:
+    """The error of a backend that cannot run ``verify_batch_vocab``: ``why``, then
+    where the op runs in this version."""
+    return BackendUnavailableError(
+        f"verify_batch_vocab is not available here: {why}. In this version the op runs on "
+        'the torch backend: build the communicator with backend="torch" (and without '
+        "fallback_comm_backend); it moves CUDA tensors over NCCL (gloo for ranks that "
+        "share a GPU) and CPU tensors over gloo. GPU kernels for the onesided and nccl "
+        "backends are planned"
+    )

@@ -14,7 +14,7 @@ from ...config import CommConfig
 from ...errors import BackendUnavailableError, DpSampleError
 from ...group import HostGroup
 from ...protocol import Dtype, Op
-from ..base import Backend, RealRows
+from ..base import Backend, RealRows, verify_unavailable
 from ..common import InFlightGuard, ViewCache, array_ptr
 from .geometry import packed_width
 from .plan import ArgmaxPlan, GatherPlan, SwapPlan
@@ -343,6 +343,24 @@ class NcclBackend(NcclSetup, Backend):
         p = self.ptr
         specs = ((p["token_ids"], (rn,), "int32"), (p["alogprobs"], (rn,), "float32"))
         return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
+
+    # -- verify -------------------------------------------------------------------
+    def verify_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        candidates: Any,
+        candidates_info: ArrayInfo,
+        *,
+        pad_bs: int,
+        params: Any,
+        return_logprobs: bool,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, ...]:
+        """Not in this version: raises :class:`~ipc_dpsample.errors.BackendUnavailableError`
+        (the NCCL kernels of this op are not written yet)."""
+        raise verify_unavailable("the NCCL kernels of this op are not written yet")
 
     def check(self) -> None:
         """Raise the first header mismatch any kernel reported, then any asynchronous

@@ -39,7 +39,7 @@ from ...errors import DpSampleError, PeerTimeoutError
 from ...group import HostGroup
 from ...kernel_cache import get_kernel
 from ...protocol import Call, Dtype, Op, divergence_message
-from ..base import Backend, RealRows
+from ..base import Backend, RealRows, verify_unavailable
 from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
 from .arena import SOURCE, Connection, teardown
 from .contract import ERR_TIMEOUT, DpErrorBlock, pack_signature, unpack_signature
@@ -379,6 +379,24 @@ class OnesidedBackend(Backend):
             (base + lay.out_off("argmax_logprobs"), shape, "float32"),
         )
         return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
+
+    # -- verify -------------------------------------------------------------------
+    def verify_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        candidates: Any,
+        candidates_info: ArrayInfo,
+        *,
+        pad_bs: int,
+        params: Any,
+        return_logprobs: bool,
+        bs: RealRows,
+        stream: Any,
+    ) -> tuple[Any, ...]:
+        """Not in this version: raises :class:`~ipc_dpsample.errors.BackendUnavailableError`
+        (the one-sided (CUDA IPC) kernels of this op are not written yet)."""
+        raise verify_unavailable("the one-sided (CUDA IPC) kernels of this op are not written yet")
 
     # -- tests --------------------------------------------------------------------
     def poison_for_testing(self, byte: int = 0xFF) -> None:
