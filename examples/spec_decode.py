@@ -633,10 +633,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--top-p", type=float, default=None)
     a(
         "--sampler",
-        choices=("torch", "package"),
-        default="torch",
+        choices=("auto", "torch", "package"),
+        default="auto",
         help="sampled verify: the example's torch sampler, or the package's reference\n"
-        "(ipc_dpsample.layout, NumPy on the host: the tokens verify_batch_vocab gives)",
+        "(ipc_dpsample.layout, NumPy on the host: the tokens verify_batch_vocab gives);\n"
+        "auto: package for --verify fused (its --check reference), else torch",
     )
     a("--logits-dtype", choices=tuple(DTYPES), default="float32")
     a("--buckets", default=None, help="padded batch sizes, e.g. 4,8 (multiples of tp)")
@@ -688,6 +689,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--top-k / --top-p select sampled verify: give --temperature > 0 too")
     if args.top_k is not None and args.top_k < 1:
         p.error(f"--top-k {args.top_k}: expected >= 1")
+    if args.sampler == "auto":
+        args.sampler = "package" if args.verify == "fused" else "torch"
+    if args.verify == "fused" and args.temperature > 0 and args.sampler == "torch":
+        p.error(
+            "--verify fused samples as the package's reference does: --sampler torch "
+            "samples other tokens (use --sampler package, the default for fused)"
+        )
     if args.sampler == "package" and args.top_k is not None and args.top_k > 128:
         p.error(f"--top-k {args.top_k}: the package's sampler takes top-k up to 128")
     if args.top_p is not None and not 0 < args.top_p <= 1:

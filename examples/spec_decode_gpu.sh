@@ -33,7 +33,9 @@ run() {
     local name=$1
     shift
     echo "=== $name: python examples/spec_decode.py $*"
-    if timeout "${RUN_TIMEOUT:-400}" "$py" examples/spec_decode.py "$@" 2>&1 | tee "$logs/$name.log"; then
+    # shellcheck disable=SC2086  # RUN_ENV: optional VAR=value words for this run
+    if env ${RUN_ENV:-} timeout "${RUN_TIMEOUT:-400}" "$py" examples/spec_decode.py "$@" 2>&1 |
+        tee "$logs/$name.log"; then
         echo "$name" >>"$logs/runs.txt"
     else
         failed+=("$name")
@@ -61,11 +63,17 @@ run sampled-graph-tp8 $small --tp 8 --verify swap $sampled --cuda-graph --check
 pkg="--sampler package --vocab-size 4200 --vocab-limit 4000"
 run sampled-pkg-swap-tp4 $small --tp 4 --verify swap $sampled $pkg --check
 if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(not hasattr(C, "verify_batch_vocab"))'; then
+    # fused runs where the backend has the op; while only the torch backend has it,
+    # IPC_DPSAMPLE_BACKEND=torch with rank processes (set FUSED_ENV= to try onesided)
+    fenv=${FUSED_ENV-IPC_DPSAMPLE_BACKEND=torch}
+    flaunch=${FUSED_LAUNCH---launch processes}
     for tp in 2 8; do
-        run "greedy-fused-tp$tp" $small --tp "$tp" --verify fused --device-bs --check
-        run "sampled-fused-tp$tp" $small --tp "$tp" --verify fused $sampled $pkg --check
+        RUN_ENV=$fenv run "greedy-fused-tp$tp" $small --tp "$tp" --verify fused $flaunch \
+            --device-bs --check
+        RUN_ENV=$fenv run "sampled-fused-tp$tp" $small --tp "$tp" --verify fused $flaunch \
+            $sampled $pkg --check
     done
-    run graph-fused-tp8 $small --tp 8 --verify fused --cuda-graph --check
+    run graph-fused-tp8 $small --tp 8 --verify fused --cuda-graph --check  # onesided, once it has it
 fi
 fi
 
@@ -79,10 +87,11 @@ done
 run bench-swap-tp8-sampled $big --tp 8 --verify swap $sampled
 run bench-swap-tp8-sampled-graph $big --tp 8 --verify swap $sampled --cuda-graph
 if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(not hasattr(C, "verify_batch_vocab"))'; then
-    run bench-fused-tp8 $big --tp 8 --verify fused
-    run bench-fused-tp8-graph $big --tp 8 --verify fused --cuda-graph
-    run bench-fused-tp8-sampled $big --tp 8 --verify fused $sampled
-    run bench-fused-tp8-sampled-graph $big --tp 8 --verify fused $sampled --cuda-graph
+    fenv=${FUSED_ENV-IPC_DPSAMPLE_BACKEND=torch}
+    flaunch=${FUSED_LAUNCH---launch processes}
+    RUN_ENV=$fenv run bench-fused-tp8 $big --tp 8 --verify fused $flaunch
+    RUN_ENV=$fenv run bench-fused-tp8-sampled $big --tp 8 --verify fused $flaunch $sampled
+    run bench-fused-tp8-graph $big --tp 8 --verify fused --cuda-graph  # onesided, once it has it
 fi
 fi
 echo "=== summary (ms per step of the last run; share: verify comm + math over the step)"

@@ -255,19 +255,27 @@ def test_model_seed_equals_the_same_weights_loaded(tmp_path: Path) -> None:
 
 
 # -- routes that are not there / do not apply -------------------------------------------------
-@pytest.mark.skipif(HAS_FUSED, reason="verify_batch_vocab exists: see test_fused_matches_swap")
-def test_fused_says_it_is_not_available() -> None:
-    proc = run_example("--device cpu --tp 2 --verify fused", rc=2)
-    assert "verify_batch_vocab" in proc.stderr and "not available" in proc.stderr
+def test_fused_says_it_is_not_available(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A package without verify_batch_vocab (removed here if this one has it)."""
+    monkeypatch.delattr(spec_decode.DpSamplingComm, "verify_batch_vocab", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        spec_decode.main(["--device", "cpu", "--tp", "2", "--verify", "fused"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "verify_batch_vocab" in err and "not available" in err
 
 
 @pytest.mark.multirank
 @pytest.mark.skipif(not HAS_FUSED, reason="DpSamplingComm.verify_batch_vocab is not there yet")
 def test_fused_matches_swap(greedy_reference: dict[str, Any]) -> None:
-    got = run_json(f"--tp 2 --verify fused --device-bs {COMMON}")
-    assert_same_tokens(got, greedy_reference, "greedy fused tp=2 vs --no-spec")
+    got = run_json(f"--tp 2 --verify fused --buckets 8 --device-bs {COMMON}")
+    assert_same_tokens(got, greedy_reference, "greedy fused tp=2, pad_bs 8, vs --no-spec")
+    assert got["phantom_rows"] > 0
     # sampled: the package's reference sampler on full rows gives verify_batch_vocab's tokens
-    fused = run_json(f"--tp 3 --verify fused {SAMPLED} {COMMON}")
+    fused = run_json(f"--tp 3 --verify fused {SAMPLED} {COMMON}")  # --sampler auto: package
+    assert fused["sampling"]["sampler"] == "package"
     swap = run_json(f"--tp 1 --verify swap --sampler package {SAMPLED} {COMMON}")
     assert_same_tokens(fused, swap, "sampled fused tp=3 vs swap with the package's sampler")
 
@@ -286,6 +294,8 @@ def test_bad_flag_combinations_are_refused() -> None:
         spec_decode.parse_args(["--tp", "3", "--buckets", "4,8"])  # not multiples of tp
     with pytest.raises(SystemExit):
         spec_decode.parse_args(["--cuda-graph"])  # GPU only
+    with pytest.raises(SystemExit):  # fused samples as the package does, not as torch
+        spec_decode.parse_args(["--verify", "fused", "--temperature", "1", "--sampler", "torch"])
 
 
 # -- the pieces, in process ------------------------------------------------------------------
