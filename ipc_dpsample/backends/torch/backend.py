@@ -2,8 +2,9 @@
 
 CPU tensors (and NumPy arrays) travel over gloo, CUDA tensors over NCCL. Every op
 is one ``alltoall_base`` on a members-only process group this communicator builds
-on the c10d store with the communicator's ``timeout_s``; logits travel as raw bytes,
-so every dtype moves bit-exactly.
+on the c10d store with the communicator's ``timeout_s`` (``verify_batch_vocab``: one,
+plus a probe round and a full-row round only for rows its records leave open, see
+:mod:`.verify`); logits travel as raw bytes, so every dtype moves bit-exactly.
 
 Wire format
 -----------
@@ -19,7 +20,9 @@ rank compares every peer's header with its own *before* it unpacks anything, and
 every rank raises :func:`~ipc_dpsample.protocol.divergence_message` in the same
 call. NCCL needs equal sizes on both sides, so on CUDA every block travels at its
 full size ``M`` (this backend is the fallback there; the nccl and onesided
-backends are the fast ones).
+backends are the fast ones). ``M`` also holds ``verify_batch_vocab``'s largest round
+(every row's 1312-byte record, or ``max_pad_bs / tp * N`` full rows of the fallback
+round), so a rank in that op and a rank in any other still complete the collective.
 
 Bounded waits
 -------------
@@ -73,11 +76,13 @@ from ...arrays import ArrayInfo, ArrayKind, as_torch, check_host_stream, torch_v
 from ...config import CommConfig
 from ...errors import DpSampleError
 from ...group import TorchStoreGroup
+from ...layout import VerifyParams
 from ...protocol import Call, Dtype, Op, divergence_message
 from ..base import Backend, RealRows
 from .argmax import PARTIAL_WORDS, combine_partials, local_partials
 from .failure import REPORT_WAIT_S, diagnose_failure
 from .plans import _HDR, _HDR_WORDS, TorchPlans, _Plan, _round16
+from .verify import MAX_RECORD_BYTES, VHDR_BYTES, ParamsDiverged, VerifyRounds, run_verify
 
 __all__ = ["REPORT_WAIT_S", "TorchBackend"]
 
@@ -140,6 +145,9 @@ class TorchBackend(TorchPlans, Backend):
                 rmax * n * self._vs * itemsize,  # swap
                 rmax * (2 * n + 1) * 4,  # gather_verify_outputs
                 rmax * n * PARTIAL_WORDS * 4,  # argmax partials
+                # verify: every real row's record (round 1), rmax*N full rows (round 3)
+                VHDR_BYTES + cfg.max_pad_bs * n * MAX_RECORD_BYTES,
+                VHDR_BYTES + rmax * n * self._vs * itemsize,
             )
         )
         self._send = torch.empty(peers * self._block, dtype=torch.uint8, **kw)
@@ -163,6 +171,12 @@ class TorchBackend(TorchPlans, Backend):
         self.out_logprobs = torch.empty(cfg.max_pad_bs, n, dtype=torch.float32, **kw)
         self.out_token_ids = torch.empty(rmax * n, dtype=torch.int32, **kw)
         self.out_argmax_logprobs = torch.empty(rmax * n, dtype=torch.float32, **kw)
+        self.out_verify_predict = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
+        self.out_verify_accept_index = torch.empty(cfg.max_pad_bs, n, dtype=torch.int32, **kw)
+        self.out_verify_accept_length = torch.empty(cfg.max_pad_bs, dtype=torch.int32, **kw)
+        self.out_verify_logprobs = torch.empty(cfg.max_pad_bs, n, dtype=torch.float32, **kw)
+        #: Real rows decided by each round of the last verify_batch_vocab (diagnostics).
+        self.last_verify_rounds: VerifyRounds | None = None
         self._partials = torch.empty(cfg.max_pad_bs * n, PARTIAL_WORDS, dtype=torch.int32, **kw)
         self._combine = torch.empty(self._tp, rmax * n, PARTIAL_WORDS, dtype=torch.int32, **kw)
         self.out_swap: torch.Tensor | None = None
@@ -451,6 +465,111 @@ class TorchBackend(TorchPlans, Backend):
             self._out(k, "argmax_logprobs", pad_bs, self.out_argmax_logprobs[: r * n]),
         )
 
+    def verify_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        candidates: Any,
+        candidates_info: ArrayInfo,
+        *,
+        pad_bs: int,
+        params: VerifyParams,
+        return_logprobs: bool,
+        bs: RealRows,
+        stream: Any = None,
+    ) -> tuple[Any, ...]:
+        """``x[pad_bs*N, V/tp]``, ``candidates[pad_bs, N]`` -> (predict, accept_index,
+        accept_length[, logprobs]) of the whole batch, every rank the same (see
+        :mod:`ipc_dpsample.backends.torch.verify`: host NumPy records, one all-gather
+        of them, the probe and full-row rounds only when rows are left open).
+
+        The portable path: CPU tensors are read through zero-copy NumPy views; CUDA
+        tensors are copied to the host (synchronously, on the op's stream) and the
+        results copied back into the persistent device outputs. Rows of requests
+        ``>= bs`` hold the reference's placeholders (undefined by contract)."""
+        assert self._logits_dtype is not None
+        name = self._logits_dtype
+        t = self._as_torch(x, info)
+        c = self._as_torch(candidates, candidates_info)
+        with self._stream_ctx(stream):
+            call, _ = self._begin(Op.VERIFY, Dtype.of(name), pad_bs, bs)
+            local = _host_numpy(t, name)
+            cand = _host_numpy(c, "int32")
+            try:
+                outs, rounds = run_verify(
+                    local,
+                    cand,
+                    shard=self._rank,
+                    tp=self._tp,
+                    dtype=name,
+                    params=params,
+                    return_logprobs=return_logprobs,
+                    allgather=lambda hdr, payload: self._allgather(call, hdr, payload),
+                    capacity=self._block - _HDR,
+                )
+            except ParamsDiverged as exc:
+                raise self._params_diverged(call, exc) from None
+            self.last_verify_rounds = rounds
+            dsts = (
+                self.out_verify_predict,
+                self.out_verify_accept_index,
+                self.out_verify_accept_length,
+                self.out_verify_logprobs,
+            )[: len(outs)]
+            for dst, got in zip(dsts, outs, strict=True):
+                if self._cpu:
+                    dst[:pad_bs].numpy()[...] = got
+                else:
+                    dst[:pad_bs].copy_(torch.from_numpy(got))
+        keys = ("verify_predict", "verify_accept_index", "verify_accept_length", "verify_lp")
+        k = info.kind
+        return tuple(
+            self._out(k, key, pad_bs, dst[:pad_bs]) for key, dst in zip(keys, dsts, strict=False)
+        )
+
+    def _allgather(self, call: Call, vhdr: np.ndarray, payload: np.ndarray) -> list[np.ndarray]:
+        """The same block (verify header, then ``payload``) to every peer, through the
+        all-to-all and its call-header check; every shard's block (this rank's own
+        included) as host uint8 arrays in rank order."""
+        nbytes = VHDR_BYTES + payload.nbytes
+        own = np.concatenate([vhdr.view(np.uint8), payload])
+        if self._tp == 1:
+            return [own]
+        plan = self._plan((int(Op.VERIFY), nbytes, -1), lambda: self._allgather_plan(nbytes))
+        (send,) = plan.extra
+        if self._cpu:
+            send[:, _HDR : _HDR + nbytes] = own
+            self._exchange(call, plan)
+            got: Any = self._recv.numpy().reshape(self._tp - 1, self._block)
+        else:
+            send[:, _HDR : _HDR + nbytes].copy_(torch.from_numpy(own).to(self.device)[None])
+            self._exchange(call, plan)
+            got = self._recv2d[:, _HDR : _HDR + nbytes].cpu().numpy()
+        blocks = [got[j, _HDR : _HDR + nbytes] if self._cpu else got[j] for j in range(len(got))]
+        blocks.insert(self._rank, own)
+        return blocks
+
+    def _allgather_plan(self, nbytes: int) -> _Plan:
+        send, splits, hdr, _, sizes = self._layout_sends([nbytes] * self._tp)
+        block = next(size for size in sizes if size)
+        send2d = send.view(self._tp - 1, block)
+        return _Plan(send, splits, hdr, [], [], (send2d.numpy() if self._cpu else send2d,))
+
+    def _params_diverged(self, call: Call, exc: ParamsDiverged) -> DpSampleError:
+        if exc.internal:
+            self._failure = DpSampleError(
+                f"rank {self._rank}: in {call.describe()} rank {exc.peer} disagrees on "
+                f"{', '.join(exc.fields)} although every argument agreed: the ranks "
+                "computed different records (an ipc_dpsample bug, please report it; torch "
+                "backend). This communicator is now unusable: every later call raises this "
+                "error; close it and build a new one"
+            )
+        else:
+            self._failure = DpSampleError(
+                divergence_message(self._rank, exc.peer, call, call, "torch", exc.fields)
+            )
+        return self._failure
+
     # -- lifetime ------------------------------------------------------------------
     def check(self) -> None:
         """Raise the error that poisoned this communicator, if any."""
@@ -471,3 +590,17 @@ class TorchBackend(TorchPlans, Backend):
 
 
 _nullctx = contextlib.nullcontext()
+
+_HOST_VIEW = {"bfloat16": (torch.int16, np.uint16)}
+
+
+def _host_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """A contiguous tensor as a NumPy array on the host: a zero-copy view on the CPU,
+    a synchronous copy from a GPU; bfloat16 as its uint16 bits."""
+    t = t.detach()
+    if t.is_cuda:
+        t = t.cpu()
+    through = _HOST_VIEW.get(dtype)
+    if through is None:
+        return t.numpy()
+    return t.view(through[0]).numpy().view(through[1])
