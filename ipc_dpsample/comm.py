@@ -344,6 +344,143 @@ class DpSamplingComm:
             local_logits, info, pad_bs=pad_bs, vocab_limit=int(limit), bs=rows, stream=stream
         )
 
+    def verify_batch_vocab(
+        self,
+        local_logits: Any,
+        candidates: Any,
+        *,
+        pad_bs: int,
+        temperature: Any,
+        top_k: Any = None,
+        top_p: Any = None,
+        min_p: Any = None,
+        seed: Any,
+        offset: Any,
+        vocab_limit: int | None = None,
+        bs: Any = None,
+        return_logprobs: bool = False,
+        stream: Any = None,
+    ) -> tuple[Any, ...]:
+        """Sampled speculative verify without moving logits: every rank gives its
+        vocabulary shard of every row and gets the whole batch's verify results.
+
+        Each row is sampled with Gumbel-max (TokenSpeed's Triton noise stream, its
+        top-k / top-p / min-p filters; temperature below 1e-6 or top-k 1 is greedy,
+        the :meth:`argmax_batch_vocab` token), then drafts are accepted by "sample,
+        then match". The spec, bit for bit, is
+        :func:`ipc_dpsample.layout.reference_verify_batch_vocab`;
+        ``docs/verify_contract.md`` has the noise, the filters, the degenerate rows
+        (NaN, ``±inf``) and how the shards compute it exactly.
+
+        Parameters
+        ----------
+        local_logits : array ``[pad_bs * N, V / tp]``, ``logits_dtype``, C-contiguous
+            The input :meth:`swap_batch_vocab` takes: row ``req * N + d`` is request
+            ``req`` at draft position ``d``, this rank's columns ``[rank*V/tp,
+            (rank+1)*V/tp)``.
+        candidates : int32 array ``[pad_bs, N]``, C-contiguous, on this device
+            Column 0 the last accepted token, columns ``1..N-1`` the drafts.
+        pad_bs : int
+            As :meth:`swap_batch_vocab`.
+        temperature : float32 array ``[pad_bs]``
+            Finite, ``>= 0``; ``< 1e-6`` means greedy for that request.
+        top_k : int32 array ``[pad_bs]`` or None
+            ``1..128`` on; ``0``, ``1 << 30`` or any value ``>= vocab_limit`` off;
+            ``129..vocab_limit-1`` raise. None: off for every request.
+        top_p : float32 array ``[pad_bs]`` or None
+            In ``(0, 1]``, 1 = off. None: off.
+        min_p : float32 array ``[pad_bs]`` or None
+            In ``[0, 1)``, 0 = off. None: off.
+        seed, offset : int64 arrays ``[pad_bs]``
+            The noise stream of each request (draft position ``d`` draws from
+            ``offset + d``).
+        vocab_limit : int or None
+            Columns ``>= vocab_limit`` never win and count in no mass (None: ``V``);
+            ``1 <= vocab_limit <= min(V, 2**21)``.
+        bs : see :meth:`swap_batch_vocab`
+            Requests ``>= bs`` are padding: their parameters are neither checked nor
+            used. A device scalar is read when the op runs (clamped to
+            ``[0, pad_bs]``).
+        return_logprobs : bool
+            Also return ``log_softmax(raw logits[:vocab_limit])[predict]`` (no
+            temperature), float32.
+        stream : see :meth:`swap_batch_vocab`
+
+        The parameter arrays may be host arrays (NumPy, CPU torch tensors) or arrays
+        on this communicator's device (CUDA torch tensors, CuPy) of exactly that dtype
+        and shape; in this version they are read on the host when the op is called
+        (a device array costs a synchronous copy).
+
+        Returns
+        -------
+        predict : int32 ``[pad_bs, N]``
+            The token sampled at every row (also after the accepted drafts).
+        accept_index : int32 ``[pad_bs, N]``
+            ``(g % R) * N + j`` for the accepted positions ``j < accept_length[g]``,
+            ``-1`` after them, ``R = pad_bs / tp``: rows of the owning rank's swap
+            output (TokenSpeed's Batch-DP numbering).
+        accept_length : int32 ``[pad_bs]``
+            Accepted drafts + 1.
+        logprobs : float32 ``[pad_bs, N]``, only with ``return_logprobs``
+            Within 1 float32 ulp of the reference (NaN for rows with a NaN, ``+inf``
+            or only ``-inf``).
+
+        Every rank gets the same values for the whole batch. Rows of requests
+        ``>= bs`` are undefined. Views of persistent buffers in ``local_logits``'
+        array type, valid until the next op on this communicator is issued.
+
+        Backends: ``torch`` runs the sharded algorithm (:mod:`ipc_dpsample.
+        verify_shards`) with NumPy on the host and moves 128..1312 bytes per row per
+        peer in one all-gather (a probe round and a full-row round only for rows the
+        records leave open); it is the portable path, not the fast one: CUDA inputs
+        are copied to the host and the results back. ``onesided`` and ``nccl`` raise
+        :class:`~ipc_dpsample.errors.BackendUnavailableError` in this version (GPU
+        kernels planned): build the communicator with ``backend="torch"``.
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape, dtype, device or value (the message names the argument
+            and the expected value), before anything is exchanged.
+        DpSampleError
+            Ranks called different ops, or passed a different ``pad_bs``, ``bs``,
+            dtype, ``candidates``, per-request parameter, ``vocab_limit`` or
+            ``return_logprobs``: raised on every rank, naming what differed; the
+            communicator is then unusable (every later call raises it again).
+        BackendUnavailableError
+            The backend cannot run this op (see Backends).
+        """
+        self._check_open()
+        cfg = self.config
+        pad_bs = cfg.validate_pad_bs(pad_bs)
+        expected = (pad_bs * cfg.num_tokens_per_req, cfg.vocab_size // cfg.tp_size)
+        info = self._logits_arg(local_logits, expected)
+        cand, params, rows = self._check.verify(
+            candidates,
+            pad_bs=pad_bs,
+            vocab_limit=vocab_limit,
+            bs=bs,
+            return_logprobs=return_logprobs,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            offset=offset,
+        )
+        assert self._backend is not None
+        return self._backend.verify_batch_vocab(
+            local_logits,
+            info,
+            candidates,
+            cand,
+            pad_bs=pad_bs,
+            params=params,
+            return_logprobs=return_logprobs,
+            bs=rows,
+            stream=stream,
+        )
+
     def gather_verify_outputs(
         self,
         predict_local: Any,

@@ -183,7 +183,7 @@ def divergence_message(
     """
     if differs:
         what = (
-            f"rank {peer} called {theirs.describe()} with a different "
+            f"rank {peer} called {theirs.describe()} with different "
             f"{', '.join(differs)} than rank {rank} passed to {mine.describe()}"
         )
     else:

@@ -16,9 +16,21 @@ from .arrays import ArrayInfo, ArrayKind, describe, torch_fast_info
 from .backends.base import RealRows
 from .config import CommConfig
 from .errors import DpSampleError
+from .layout import VerifyParams, verify_params
 from .protocol import LOGITS_DTYPES
 
-__all__ = ["ArgChecker", "DtypeMismatchError"]
+__all__ = ["VERIFY_PARAM_DTYPES", "ArgChecker", "DtypeMismatchError"]
+
+#: ``verify_batch_vocab``'s per-request parameter arrays ``[pad_bs]`` and their dtypes.
+VERIFY_PARAM_DTYPES = {
+    "temperature": "float32",
+    "top_k": "int32",
+    "top_p": "float32",
+    "min_p": "float32",
+    "seed": "int64",
+    "offset": "int64",
+}
+_VERIFY_REQUIRED = ("temperature", "seed", "offset")
 
 
 class DtypeMismatchError(DpSampleError, TypeError):
@@ -133,6 +145,8 @@ class ArgChecker:
             c = self.config
             if name == "local_logits":
                 dims = f"rows pad_bs*N with N={c.num_tokens_per_req}, V/tp={shape[1]} columns"
+            elif name == "candidates":
+                dims = f"pad_bs={shape[0]} rows, N={c.num_tokens_per_req}"
             else:
                 dims = f"R=pad_bs/tp={shape[0]} rows, N={c.num_tokens_per_req}"
             raise ValueError(
@@ -140,6 +154,80 @@ class ArgChecker:
             )
         if not info.contiguous:
             raise ValueError(f"{name} must be C-contiguous (call .contiguous() first)")
+
+    def host_bs(self, bs: Any, pad_bs: int) -> RealRows:
+        """:meth:`bs`, with a device scalar read now (a synchronous copy; clamped to
+        ``[0, pad_bs]`` as the ops clamp it): ops computed on the host need the value."""
+        rows = self.bs(bs, pad_bs)
+        if not rows.on_device:
+            return rows
+        value = int(_to_host(bs, describe(bs, "bs")).reshape(-1)[0])
+        return RealRows(min(max(value, 0), pad_bs), 0, True)
+
+    def host_param(self, x: Any, name: str, dtype: str, pad_bs: int) -> Any:
+        """A per-request parameter array ``[pad_bs]`` of ``dtype``, on the host or this
+        device, C-contiguous, read into a NumPy array (zero-copy for host memory; a
+        synchronous copy from a GPU)."""
+        where = "the host" if self.device < 0 else f"the host or {self.where}"
+        try:
+            info = describe(x, name)
+        except TypeError:
+            raise TypeError(
+                f"{name}={x!r:.80}; expected a {dtype} array [pad_bs={pad_bs}] (NumPy, torch "
+                f"or CuPy) on {where}"
+            ) from None
+        if info.dtype != dtype:
+            raise TypeError(f"{name} dtype {info.dtype} != expected {dtype}")
+        if info.device not in (-1, self.device):
+            raise TypeError(f"{name} is on cuda:{info.device}; expected {where}")
+        if info.shape != (pad_bs,):
+            raise ValueError(
+                f"{name} shape {info.shape} != expected ({pad_bs},) (one value per request of "
+                f"pad_bs={pad_bs})"
+            )
+        if not info.contiguous:
+            raise ValueError(f"{name} must be C-contiguous (call .contiguous() first)")
+        return _to_host(x, info)
+
+    def verify(
+        self,
+        candidates: Any,
+        *,
+        pad_bs: int,
+        vocab_limit: Any,
+        bs: Any,
+        return_logprobs: Any,
+        **arrays: Any,
+    ) -> tuple[ArrayInfo, VerifyParams, RealRows]:
+        """The arguments of ``verify_batch_vocab`` besides ``local_logits``: the
+        structure checked here (array type, dtype, shape, device), the values by
+        :func:`ipc_dpsample.layout.verify_params` (the one implementation of the range
+        rules), every parameter read on the host. ``arrays``: the
+        :data:`VERIFY_PARAM_DTYPES` arguments (None: off / absent)."""
+        cfg = self.config
+        cand = self.arg(candidates, "candidates", (pad_bs, cfg.num_tokens_per_req), "int32")
+        if vocab_limit is not None and (
+            isinstance(vocab_limit, bool) or not isinstance(vocab_limit, numbers.Integral)
+        ):
+            raise TypeError(f"vocab_limit must be an int or None, got {vocab_limit!r}")
+        if not isinstance(return_logprobs, bool):
+            raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}")
+        rows = self.host_bs(bs, pad_bs)
+        host: dict[str, Any] = {}
+        for name, dtype in VERIFY_PARAM_DTYPES.items():
+            value = arrays[name]
+            if value is None and name in _VERIFY_REQUIRED:
+                raise TypeError(f"{name} is required: a {dtype} array [pad_bs={pad_bs}]")
+            host[name] = None if value is None else self.host_param(value, name, dtype, pad_bs)
+        params = verify_params(
+            pad_bs=pad_bs,
+            num_tokens_per_req=cfg.num_tokens_per_req,
+            vocab_size=cfg.vocab_size,
+            vocab_limit=None if vocab_limit is None else int(vocab_limit),
+            bs=rows.bs if rows.given else None,
+            **host,
+        )
+        return cand, params, rows
 
     def logprobs(self, x: Any, shape: tuple[int, int]) -> tuple[Any, ArrayInfo]:
         """``logprobs_local``: a strided float32 torch/CuPy/NumPy array of the right
@@ -164,3 +252,16 @@ def _contiguous(x: Any, kind: ArrayKind) -> Any:
 
         return np.ascontiguousarray(x)
     return x  # numba: the contiguity check names the problem
+
+
+def _to_host(x: Any, info: ArrayInfo) -> Any:
+    """``x`` as a NumPy array: itself, a zero-copy view of host memory, or a
+    synchronous copy of device memory."""
+    if info.kind is ArrayKind.NUMPY:
+        return x
+    if info.kind is ArrayKind.TORCH:
+        t = x.detach()
+        return (t.cpu() if info.device >= 0 else t).numpy()
+    if info.kind is ArrayKind.CUPY:
+        return x.get()
+    return x.copy_to_host()  # numba
