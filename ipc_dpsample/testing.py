@@ -153,6 +153,11 @@ def _child(
     env: dict[str, str],
     queue: Any,
 ) -> None:
+    # torchrun's agent variables belong to the parent's launcher, not to this spawned
+    # world: with TORCHELASTIC_USE_AGENT_STORE=True inherited, init_process_group
+    # waits for an agent store that nobody serves here
+    for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

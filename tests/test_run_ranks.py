@@ -112,3 +112,16 @@ def test_long_results_are_cut_in_the_message_but_whole_on_the_outcome() -> None:
     assert len(outcome.describe()) < 250 and outcome.describe().endswith("...")
     failure = RankFailure.from_outcomes([outcome, RankOutcome(1, "exited", exitcode=1)])
     assert failure.results == {0: big}
+
+
+def test_spawned_ranks_ignore_the_parents_torchrun_agent_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # inherited from a torchrun parent, this made init_process_group wait for an agent
+    # store that nobody serves in the spawned world, until the timeout
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "parent-run")
+    t0 = time.monotonic()
+    results = run_ranks(2, _bodies.harness_exit, -1, 2, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert time.monotonic() - t0 < 45
