@@ -1,0 +1,240 @@
+"""``verify_batch_vocab``'s argument checks (a tp = 1 communicator in this process):
+every bad shape, dtype, device, type or value raises ValueError / TypeError naming the
+argument and the expected value, before anything is exchanged, and a valid call right
+after works; the op code and the divergence message; the backends without the op
+(onesided, nccl through the CPU fakes, fallback_comm_backend) raise
+BackendUnavailableError saying where it runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ipc_dpsample import BackendUnavailableError
+from ipc_dpsample.arrays import describe
+from ipc_dpsample.backends.base import RealRows
+from ipc_dpsample.layout import TOP_K_DISABLED, reference_verify_batch_vocab, verify_params
+from ipc_dpsample.protocol import Call, Dtype, Op, divergence_message
+
+N, V, PAD_BS, MAX = 2, 300, 4, 6
+
+
+def _good(pad_bs: int = PAD_BS) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    rng = np.random.default_rng(pad_bs)
+    x = torch.from_numpy(rng.normal(0, 2, (pad_bs * N, V)).astype(np.float32))
+    cand = torch.from_numpy(rng.integers(0, V, (pad_bs, N)).astype(np.int32))
+    kw: dict[str, Any] = dict(
+        pad_bs=pad_bs,
+        temperature=np.full(pad_bs, 0.8, np.float32),
+        top_k=np.full(pad_bs, 20, np.int32),
+        top_p=np.full(pad_bs, 0.9, np.float32),
+        min_p=np.full(pad_bs, 0.05, np.float32),
+        seed=rng.integers(0, 2**40, pad_bs),
+        offset=rng.integers(0, 2**40, pad_bs),
+    )
+    return x, cand, kw
+
+
+@pytest.fixture
+def comm(make_comm: Any) -> Any:
+    return make_comm(max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
+
+
+def _works(comm: Any) -> None:
+    x, cand, kw = _good()
+    outs = comm.verify_batch_vocab(x, cand, return_logprobs=True, **kw)
+    want = reference_verify_batch_vocab(
+        [x.numpy()], cand.numpy(), tp=1, dtype="float32", return_logprobs=True, **kw
+    )
+    for got, w in zip(outs[:3], want[:3], strict=True):
+        np.testing.assert_array_equal(got.numpy(), w)
+
+
+def _f32(*v: float) -> np.ndarray:
+    return np.array(v + (0.5,) * (PAD_BS - len(v)), np.float32)
+
+
+# (what changes, the error type, words the message must hold)
+BAD: list[tuple[str, dict[str, Any], type, tuple[str, ...]]] = [
+    ("logits rows", {"x": torch.ones(PAD_BS * N + 1, V)}, ValueError, ("local_logits", "(8, 300)")),
+    ("logits dtype", {"x": torch.ones(PAD_BS * N, V, dtype=torch.float16)}, TypeError,
+     ("local_logits", "float32")),
+    ("candidates dtype", {"candidates": torch.ones(PAD_BS, N, dtype=torch.int64)}, TypeError,
+     ("candidates", "int32")),
+    ("candidates shape", {"candidates": torch.ones(PAD_BS, N + 1, dtype=torch.int32)},
+     ValueError, ("candidates", "(4, 2)", "pad_bs=4")),
+    ("candidates strided", {"candidates": torch.ones(N, PAD_BS, dtype=torch.int32).t()},
+     ValueError, ("candidates", "contiguous")),
+    ("candidates list", {"candidates": [[1, 2]] * PAD_BS}, TypeError, ("candidates",)),
+    ("temperature dtype", {"temperature": np.ones(PAD_BS, np.float64)}, TypeError,
+     ("temperature", "float32")),
+    ("temperature shape", {"temperature": np.ones(PAD_BS + 1, np.float32)}, ValueError,
+     ("temperature", "(4,)")),
+    ("temperature 2-D", {"temperature": np.ones((PAD_BS, 1), np.float32)}, ValueError,
+     ("temperature", "(4,)")),
+    ("temperature strided", {"temperature": np.ones(2 * PAD_BS, np.float32)[::2]},
+     ValueError, ("temperature", "contiguous")),
+    ("temperature list", {"temperature": [0.5] * PAD_BS}, TypeError, ("temperature", "float32")),
+    ("temperature None", {"temperature": None}, TypeError, ("temperature", "required")),
+    ("temperature < 0", {"temperature": _f32(0.5, -0.1)}, ValueError,
+     ("temperature[1]", ">= 0")),
+    ("temperature NaN", {"temperature": _f32(np.nan)}, ValueError, ("temperature[0]", "finite")),
+    ("temperature inf", {"temperature": _f32(0.5, 0.5, np.inf)}, ValueError,
+     ("temperature[2]", "finite")),
+    ("top_k 129", {"top_k": np.array([5, 129, 5, 5], np.int32)}, ValueError,
+     ("top_k[1]=129", "1..128", "vocab_limit=300")),
+    ("top_k 299", {"top_k": np.array([5, 5, 299, 5], np.int32)}, ValueError, ("top_k[2]=299",)),
+    ("top_k < 0", {"top_k": np.array([-1, 5, 5, 5], np.int32)}, ValueError, ("top_k[0]=-1",)),
+    ("top_k 129 under vocab_limit 200", {"top_k": np.full(PAD_BS, 150, np.int32),
+     "vocab_limit": 200}, ValueError, ("top_k[0]=150", "vocab_limit=200")),
+    ("top_k int64", {"top_k": np.full(PAD_BS, 5, np.int64)}, TypeError, ("top_k", "int32")),
+    ("top_p 0", {"top_p": _f32(0.0)}, ValueError, ("top_p[0]", "0 < top_p <= 1")),
+    ("top_p > 1", {"top_p": _f32(0.5, 1.5)}, ValueError, ("top_p[1]", "0 < top_p <= 1")),
+    ("top_p NaN", {"top_p": _f32(np.nan)}, ValueError, ("top_p[0]",)),
+    ("min_p 1", {"min_p": _f32(0.1, 0.1, 0.1, 1.0)}, ValueError, ("min_p[3]", "0 <= min_p < 1")),
+    ("min_p < 0", {"min_p": _f32(-0.1)}, ValueError, ("min_p[0]",)),
+    ("seed int32", {"seed": np.ones(PAD_BS, np.int32)}, TypeError, ("seed", "int64")),
+    ("offset shape", {"offset": np.ones(PAD_BS - 1, np.int64)}, ValueError, ("offset", "(4,)")),
+    ("offset None", {"offset": None}, TypeError, ("offset", "required")),
+    ("vocab_limit 0", {"vocab_limit": 0}, ValueError, ("vocab_limit=0", "V=300")),
+    ("vocab_limit > V", {"vocab_limit": V + 1}, ValueError, ("vocab_limit=301", "V=300")),
+    ("vocab_limit float", {"vocab_limit": 3.0}, TypeError, ("vocab_limit", "int")),
+    ("vocab_limit bool", {"vocab_limit": True}, TypeError, ("vocab_limit",)),
+    ("bs < 0", {"bs": -1}, ValueError, ("bs=-1", "pad_bs=4")),
+    ("bs > pad_bs", {"bs": PAD_BS + 1}, ValueError, ("bs=5", "pad_bs=4")),
+    ("bs bool", {"bs": True}, TypeError, ("bs",)),
+    ("bs tensor int64", {"bs": torch.tensor(2)}, TypeError, ("bs", "int32")),
+    ("return_logprobs str", {"return_logprobs": "yes"}, TypeError, ("return_logprobs", "bool")),
+    ("stream on CPU", {"stream": 0}, TypeError, ("stream",)),
+    ("pad_bs > max", {"pad_bs": MAX + 1}, ValueError, ("pad_bs", "max_pad_bs=6")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "change", "exc", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments_raise_naming_them(
+    comm: Any, what: str, change: dict[str, Any], exc: type, words: tuple[str, ...]
+) -> None:
+    x, cand, kw = _good()
+    change = dict(change)
+    x = change.pop("x", x)
+    cand = change.pop("candidates", cand)
+    kw.update(change)
+    with pytest.raises(exc) as info:
+        comm.verify_batch_vocab(x, cand, **kw)
+    for word in words:
+        assert word in str(info.value), (what, str(info.value))
+    _works(comm)  # nothing was exchanged: the next call is in step
+
+
+def test_accepted_forms_of_the_parameters(comm: Any) -> None:
+    """CPU torch tensors, NumPy arrays, None; top-k off as 0, 1 << 30 or >= vocab_limit;
+    a tensor bs; phantom requests' values are not checked."""
+    x, cand, kw = _good()
+    ref_kw = dict(kw)
+    kw["temperature"] = torch.from_numpy(kw["temperature"])
+    kw["seed"] = torch.from_numpy(kw["seed"])
+    for off in (0, TOP_K_DISABLED, V, 200):
+        top_k = np.array([off, 5, off, 1], np.int32)
+        lim = 200 if off == 200 else None
+        got = comm.verify_batch_vocab(x, cand, **{**kw, "top_k": top_k}, vocab_limit=lim)
+        want = reference_verify_batch_vocab(
+            [x.numpy()], cand.numpy(), tp=1, dtype="float32", vocab_limit=lim,
+            **{**ref_kw, "top_k": top_k},
+        )  # fmt: skip
+        np.testing.assert_array_equal(got[0].numpy(), want[0])
+    bad = dict(kw, top_k=None, top_p=None, min_p=None)
+    bad["temperature"] = torch.tensor([0.5, 0.5, -3.0, np.nan], dtype=torch.float32)
+    for bs in (2, torch.tensor(2, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)):
+        got = comm.verify_batch_vocab(x, cand, bs=bs, **bad)
+        assert got[2].shape == (PAD_BS,)
+
+
+def test_op_code_and_divergence_message() -> None:
+    assert Op.VERIFY.api_name == "verify_batch_vocab" and Op.describe_code(5) == Op.VERIFY.api_name
+    call = Call(Op.VERIFY, Dtype.BFLOAT16, 8, 4, 6, 3)
+    assert Call.from_header(call.header(), 4) == call
+    assert call.describe() == "verify_batch_vocab(pad_bs=8, bs=6, N=4, bfloat16) #3"
+    msg = divergence_message(0, 1, call, call, "torch", ("temperature", "seed"))
+    assert msg.startswith("rank 1 called verify_batch_vocab(pad_bs=8, bs=6, N=4, bfloat16) #3 ")
+    assert "with different temperature, seed than rank 0" in msg, msg
+    assert "call sequences diverged" in msg and "every later call raises" in msg, msg
+
+
+# -- the backends without the op -----------------------------------------------------------
+def _assert_unavailable(exc: BaseException) -> None:
+    text = str(exc)
+    assert isinstance(exc, BackendUnavailableError), repr(exc)
+    assert "verify_batch_vocab" in text and 'backend="torch"' in text, text
+    assert "NCCL" in text and "gloo" in text and "planned" in text, text
+
+
+def _backend_args(cfg_n: int = N) -> tuple[Any, ...]:
+    x = np.ones((PAD_BS * cfg_n, V), np.float32)
+    cand = np.zeros((PAD_BS, cfg_n), np.int32)
+    params = verify_params(
+        pad_bs=PAD_BS, num_tokens_per_req=cfg_n, vocab_size=V,
+        temperature=np.ones(PAD_BS, np.float32), seed=np.ones(PAD_BS, np.int64),
+        offset=np.ones(PAD_BS, np.int64),
+    )  # fmt: skip
+    return x, describe(x), cand, describe(cand), params
+
+
+def test_onesided_backend_raises_backend_unavailable() -> None:
+    """Built without CUDA (``__new__``): the method touches no state before it raises."""
+    from ipc_dpsample.backends.onesided import OnesidedBackend
+
+    backend = OnesidedBackend.__new__(OnesidedBackend)
+    x, xi, cand, ci, params = _backend_args()
+    with pytest.raises(BackendUnavailableError) as info:
+        backend.verify_batch_vocab(
+            x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=False,
+            bs=RealRows.every(PAD_BS), stream=None,
+        )  # fmt: skip
+    _assert_unavailable(info.value)
+    assert "one-sided" in str(info.value)
+
+
+def test_nccl_backend_raises_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the CPU fakes of tests/test_nccl_host.py (thread ranks, emulated kernels)."""
+    from fakes.emulator import emulator
+    from fakes.host import host_backends
+
+    make, _ = host_backends(monkeypatch, emulator())
+
+    def body(rank: int, backend: Any, log: list) -> str:
+        x, xi, cand, ci, params = _backend_args(backend.cfg.num_tokens_per_req)
+        before = list(log)
+        try:
+            backend.verify_batch_vocab(
+                x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=True,
+                bs=RealRows.every(PAD_BS), stream=None,
+            )  # fmt: skip
+        except BackendUnavailableError as exc:
+            assert log == before, "the op moved something before it raised"
+            return str(exc)
+        raise AssertionError("the nccl backend ran verify_batch_vocab")
+
+    (text,) = make(1, body, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
+    _assert_unavailable(BackendUnavailableError(text))
+    assert "NCCL kernels" in text, text
+
+
+def test_fallback_comm_backend_raises_backend_unavailable(make_comm: Any) -> None:
+    class Collectives:  # never called: the op raises first
+        def all_gather_into_tensor(self, output: Any, input: Any, group: Any) -> None:
+            raise AssertionError("called")
+
+        def all_to_all_single(self, output: Any, input: Any, group: Any) -> None:
+            raise AssertionError("called")
+
+    comm = make_comm(
+        max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V, fallback_comm_backend=Collectives()
+    )
+    x, cand, kw = _good()
+    with pytest.raises(BackendUnavailableError) as info:
+        comm.verify_batch_vocab(x, cand, **kw)
+    _assert_unavailable(info.value)
+    assert "fallback_comm_backend" in str(info.value)
