@@ -36,7 +36,10 @@ then seven 8-byte BLAKE2b digests of the normalised parameters of the real reque
 8-byte digest of the rows the round carries (rounds 2 and 3). Every rank compares
 every peer's verify header with its own before it reads a payload: ranks whose
 calls agree (the call header) but whose parameters differ raise
-:class:`ParamsDiverged`, naming the arguments that differed, on every rank.
+:class:`ParamsDiverged`, naming the arguments that differed, on every rank; the
+backend turns it into the divergence error and, as after any divergence, the
+communicator is then unusable. Phantom requests (``>= bs``) are not digested: their
+values may differ between ranks.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...errors import DpSampleError
 from ...layout import VerifyParams, finish_verify
 from ...verify_shards import (
     combine_probes,
@@ -242,8 +246,8 @@ def run_verify(
     caps = record_caps(params)
     header = verify_header(params, candidates, caps=caps, return_logprobs=return_logprobs)
     rec_dt = record_dtype(*caps)
-    if VHDR_BYTES + real * rec_dt.itemsize > capacity:
-        raise AssertionError(f"records of {real} rows exceed the block ({capacity} bytes)")
+    if VHDR_BYTES + real * rec_dt.itemsize > capacity:  # M is sized for max_pad_bs rows
+        raise DpSampleError(f"records of {real} rows exceed the block ({capacity} bytes)")
     mine = shard_records(
         local, shard=shard, tp=tp, dtype=dtype, params=params, list_cap=caps[0], stair_cap=caps[1]
     )[:real]
