@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from ipc_dpsample import DpSampleError, DpSamplingComm
@@ -535,3 +536,66 @@ def phantom_and_invalid(rank: int, tp: int, group: Any) -> None:
         )  # fmt: skip
         for g, w in zip(got, want, strict=True):
             assert np.array_equal(g.numpy()[:bs], w[:bs]), (g, w)
+
+
+class CountingCollectives:
+    """TokenSpeed's ``CommBackend`` shape over torch.distributed, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def all_gather_into_tensor(self, output: Any, input: Any, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.calls.append("all_gather_into_tensor")
+        dist.all_gather_into_tensor(output, input, group=group)
+
+    def all_to_all_single(self, output: Any, input: Any, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.calls.append("all_to_all_single")
+        dist.all_to_all_single(output, input, group=group)
+
+
+def fallback_verify(rank: int, tp: int, group: Any, seed: int) -> dict[str, Any]:
+    """verify_batch_vocab through ``fallback_comm_backend``: every mode against the
+    reference, each round one ``all_gather_into_tensor``, and ranks whose parameters
+    differ raise on every rank."""
+    coll = CountingCollectives()
+    n, cases = 3, 0
+    with _comm(
+        rank, tp, group, max_pad_bs=4 * tp, num_tokens_per_req=n, vocab_size=VS * tp,
+        logits_dtype="bfloat16", fallback_comm_backend=coll, timeout_s=20.0,
+    ) as comm:  # fmt: skip
+        assert "fallback_comm_backend" in comm.explain()
+        for i, case in enumerate(
+            [
+                Case("mixed", 2 * tp, specials=True, vocab_limit=VS * tp - 9),
+                Case("top_k_top_p", 4 * tp, bs=4 * tp - 1),
+                Case("top_p", 4 * tp, scale=0.1, probes=True, return_logprobs=True),
+            ]
+        ):
+            run_case(comm, rank, tp, (seed, 70, i), case)
+            cases += 1
+        assert set(coll.calls) == {"all_gather_into_tensor"}, coll.calls
+        before = len(coll.calls)
+        x = encode(logits((seed, 80), 2 * tp * n, VS * tp, scale=1.0, specials=False), "bfloat16")
+        shard = x[:, rank * VS : (rank + 1) * VS].contiguous()
+        prm = params((seed, 81), 2 * tp, "temperature")
+        if rank == tp - 1:
+            prm["temperature"] = prm["temperature"] + np.float32(0.25)
+        with pytest.raises(DpSampleError, match="temperature") as info:
+            comm.verify_batch_vocab(
+                shard,
+                torch.zeros(2 * tp, n, dtype=torch.int32),
+                pad_bs=2 * tp,
+                **{k: None if a is None else torch.from_numpy(a) for k, a in prm.items()},
+            )
+        diverged = str(info.value)
+        mismatch_calls = len(coll.calls) - before
+    return {
+        "cases": cases,
+        "calls": len(coll.calls),
+        "mismatch_calls": mismatch_calls,
+        "message": diverged,
+    }

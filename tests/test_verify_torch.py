@@ -63,3 +63,14 @@ def test_different_arguments_raise_on_every_rank(world: int) -> None:
     results = _ranks_ran(run_ranks(world, bodies.verify_mismatch, timeout_s=180), world)
     for messages in results:
         assert set(messages) == set(bodies.MISMATCHES), messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_verify_through_fallback_comm_backend(world: int) -> None:
+    """TokenSpeed's collectives object: the same results, one all_gather_into_tensor
+    per round, and a parameter mismatch raises on every rank."""
+    results = _ranks_ran(run_ranks(world, bodies.fallback_verify, SEED + 40 + world), world)
+    for got in results:
+        assert got["cases"] == 3, got
+        assert got["mismatch_calls"] == 1, got  # round 1 shows the mismatch: no more rounds
+        assert "temperature" in got["message"], got["message"]

@@ -2,7 +2,7 @@
 every bad shape, dtype, device, type or value raises ValueError / TypeError naming the
 argument and the expected value, before anything is exchanged, and a valid call right
 after works; the op code and the divergence message; the backends without the op
-(onesided, nccl through the CPU fakes, fallback_comm_backend) raise
+(onesided and nccl, through the CPU fakes) raise
 BackendUnavailableError saying where it runs."""
 
 from __future__ import annotations
@@ -220,21 +220,3 @@ def test_nccl_backend_raises_backend_unavailable(monkeypatch: pytest.MonkeyPatch
     (text,) = make(1, body, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
     _assert_unavailable(BackendUnavailableError(text))
     assert "NCCL kernels" in text, text
-
-
-def test_fallback_comm_backend_raises_backend_unavailable(make_comm: Any) -> None:
-    class Collectives:  # never called: the op raises first
-        def all_gather_into_tensor(self, output: Any, input: Any, group: Any) -> None:
-            raise AssertionError("called")
-
-        def all_to_all_single(self, output: Any, input: Any, group: Any) -> None:
-            raise AssertionError("called")
-
-    comm = make_comm(
-        max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V, fallback_comm_backend=Collectives()
-    )
-    x, cand, kw = _good()
-    with pytest.raises(BackendUnavailableError) as info:
-        comm.verify_batch_vocab(x, cand, **kw)
-    _assert_unavailable(info.value)
-    assert "fallback_comm_backend" in str(info.value)

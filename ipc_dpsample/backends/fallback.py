@@ -3,7 +3,10 @@
 input, group)`` and ``all_to_all_single(output, input, group)``).
 
 Every op is exactly one call of the object: the gathers one
-``all_gather_into_tensor``, the swap and argmax one ``all_to_all_single``. Each
+``all_gather_into_tensor``, the swap and argmax one ``all_to_all_single``;
+``verify_batch_vocab`` one ``all_gather_into_tensor`` per round of
+:mod:`ipc_dpsample.backends.torch.verify` (one, rarely two or three), each block of
+a fixed size (the largest round 1 of ``max_pad_bs``). Each
 rank's block starts with the 4-word :meth:`Call.header
 <ipc_dpsample.protocol.Call.header>`; blocks have fixed sizes (``max_pad_bs``-sized
 for the gathers, ``pad_bs``-sized for the swap), so ranks whose calls diverged
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..arrays import (
@@ -30,9 +34,12 @@ from ..arrays import (
 )
 from ..config import CommConfig
 from ..errors import DpSampleError
+from ..layout import VerifyParams
 from ..protocol import Call, Dtype, Op, divergence_message
 from .base import Backend, RealRows
 from .torch.argmax import PARTIAL_WORDS, combine_partials, local_partials
+from .torch.backend import host_numpy
+from .torch.verify import MAX_RECORD_BYTES, VHDR_BYTES, ParamsDiverged, run_verify
 
 __all__ = ["CollectivesBackend"]
 
@@ -234,6 +241,73 @@ class CollectivesBackend(Backend):
         ids, lps = self.out_token_ids[:rows], self.out_argmax_logprobs[:rows]
         combine_partials(recv[:, _HDR:].reshape(tp, rows, PARTIAL_WORDS), ids, lps)
         return self._out(info.kind, ids), self._out(info.kind, lps)
+
+    def verify_batch_vocab(
+        self,
+        x: Any,
+        info: ArrayInfo,
+        candidates: Any,
+        candidates_info: ArrayInfo,
+        *,
+        pad_bs: int,
+        params: VerifyParams,
+        return_logprobs: bool,
+        bs: RealRows,
+        stream: Any = None,
+    ) -> tuple[Any, ...]:
+        """The torch backend's host algorithm (:func:`~.torch.verify.run_verify`) with
+        each round one ``all_gather_into_tensor`` of fixed-size blocks: the call
+        header, then the round's verify header and payload, zero-padded. Blocks keep
+        one size whatever the round and the ranks' arguments, so ranks that diverged
+        still complete the collective, and every rank raises."""
+        assert self._dtype is not None
+        name = self._dtype
+        call = self._call(Op.VERIFY, Dtype.of(name), pad_bs, bs, stream)
+        local = host_numpy(self._as_torch(x, info), name)
+        cand = host_numpy(self._as_torch(candidates, candidates_info), "int32")
+        capacity = VHDR_BYTES + self.cfg.max_pad_bs * self._n * MAX_RECORD_BYTES
+        try:
+            outs, _ = run_verify(
+                local,
+                cand,
+                shard=self._rank,
+                tp=self._tp,
+                dtype=name,
+                params=params,
+                return_logprobs=return_logprobs,
+                allgather=lambda hdr, payload: self._verify_round(call, hdr, payload, capacity),
+                capacity=capacity,
+            )
+        except ParamsDiverged as exc:
+            what = "the ranks computed different records (an ipc_dpsample bug)"
+            self._failure = DpSampleError(
+                f"rank {self._rank}: {what}: rank {exc.peer} disagrees on {', '.join(exc.fields)}"
+                if exc.internal
+                else divergence_message(self._rank, exc.peer, call, call, "fallback", exc.fields)
+            )
+            raise self._failure from None
+        dsts = (self.out_predict, self.out_accept_index, self.out_accept_length)
+        dsts += (self.out_logprobs,) if return_logprobs else ()
+        for dst, got in zip(dsts, outs, strict=True):
+            dst[:pad_bs].copy_(torch.from_numpy(np.ascontiguousarray(got)))
+        return tuple(self._out(info.kind, dst[:pad_bs]) for dst in dsts)
+
+    def _verify_round(
+        self, call: Call, vhdr: np.ndarray, payload: np.ndarray, capacity: int
+    ) -> list[np.ndarray]:
+        """One round: every shard's verify header + payload, in rank order (host)."""
+        own = np.concatenate([vhdr.view(np.uint8), payload])
+        words = _HDR + -(-capacity // 4)
+        send = torch.zeros(words, dtype=torch.int32)
+        send[:_HDR] = torch.tensor(call.header(), dtype=torch.int32)
+        send.view(torch.uint8)[4 * _HDR : 4 * _HDR + own.size] = torch.from_numpy(own)
+        send = send.to(self.device)
+        recv = torch.empty(self._tp * words, dtype=torch.int32, device=self.device)
+        self.coll.all_gather_into_tensor(recv, send, self.group)
+        blocks = recv.view(self._tp, words)
+        self._check(call, blocks[:, :_HDR])
+        host = blocks.cpu().numpy().view(np.uint8)
+        return [host[s, 4 * _HDR : 4 * _HDR + own.size] for s in range(self._tp)]
 
     def check(self) -> None:
         if self._failure is not None:

@@ -84,7 +84,7 @@ from .failure import REPORT_WAIT_S, diagnose_failure
 from .plans import _HDR, _HDR_WORDS, TorchPlans, _Plan, _round16
 from .verify import MAX_RECORD_BYTES, VHDR_BYTES, ParamsDiverged, VerifyRounds, run_verify
 
-__all__ = ["REPORT_WAIT_S", "TorchBackend"]
+__all__ = ["REPORT_WAIT_S", "TorchBackend", "host_numpy"]
 
 _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -493,8 +493,8 @@ class TorchBackend(TorchPlans, Backend):
         c = self._as_torch(candidates, candidates_info)
         with self._stream_ctx(stream):
             call, _ = self._begin(Op.VERIFY, Dtype.of(name), pad_bs, bs)
-            local = _host_numpy(t, name)
-            cand = _host_numpy(c, "int32")
+            local = host_numpy(t, name)
+            cand = host_numpy(c, "int32")
             try:
                 outs, rounds = run_verify(
                     local,
@@ -594,7 +594,7 @@ _nullctx = contextlib.nullcontext()
 _HOST_VIEW = {"bfloat16": (torch.int16, np.uint16)}
 
 
-def _host_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+def host_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     """A contiguous tensor as a NumPy array on the host: a zero-copy view on the CPU,
     a synchronous copy from a GPU; bfloat16 as its uint16 bits."""
     t = t.detach()
