@@ -433,7 +433,9 @@ class DpSamplingComm:
         verify_shards`) with NumPy on the host and moves 128..1312 bytes per row per
         peer in one all-gather (a probe round and a full-row round only for rows the
         records leave open); it is the portable path, not the fast one: CUDA inputs
-        are copied to the host and the results back. ``onesided`` and ``nccl`` raise
+        are copied to the host and the results back. Through ``fallback_comm_backend``
+        the same algorithm runs, one ``all_gather_into_tensor`` per round. ``onesided``
+        and ``nccl`` raise
         :class:`~ipc_dpsample.errors.BackendUnavailableError` in this version (GPU
         kernels planned): build the communicator with ``backend="torch"``.
 
