@@ -102,6 +102,7 @@ from .layout import (
     as_float32,
     check_candidates,
     check_logits,
+    det_log,
     finish_verify,
     group_mass,
     gumbel_noise,
@@ -111,6 +112,7 @@ from .layout import (
     sample_full_rows,
     top_p_threshold,
     torch_argmax,
+    uniform_from_uint32,
     verify_params,
 )
 
@@ -319,15 +321,323 @@ def shard_records(
     sampled = np.flatnonzero(~params.greedy_rows[:real])
     if len(sampled) == 0:
         return rec
-    xs = np.where(nan[sampled], np.float32(-np.inf), x[sampled])
+    keys = params.stream_keys
+    step = max(1, _CHUNK_ELEMS // n_valid)
+    for lo in range(0, len(sampled), step):
+        _sampled_records(
+            rec,
+            sampled[lo : lo + step],
+            x,
+            nan,
+            ids,
+            keys,
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            lmp,
+            list_cap,
+            stair_cap,
+        )
+    return rec
+
+
+_CHUNK_ELEMS = 1 << 19
+"""Sampled rows are reduced in chunks of about this many elements (bounded temporaries)."""
+_NOISE_CHUNK = 1 << 14
+"""Noise values computed per pass (the Philox temporaries stay in cache)."""
+_M0, _M1, _W0, _W1 = (np.uint64(v) for v in (0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85))
+_U32 = np.uint64(0xFFFFFFFF)
+_SH32 = np.uint64(32)
+_MAX_KEY = np.int64(np.iinfo(np.int64).max)
+_COL_BITS = 21  # columns and global ids are < MAX_VOCAB = 2**21
+
+
+def _philox_x0(ids: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """``philox4x32_10((ids, 0, 0, 0), (key & 0xffffffff, key >> 32))[0]`` for flat uint64
+    ``ids`` and ``key`` of one length (the same integer operations, round 1 specialised to
+    the zero counter words and round 10 to the one output word)."""
+    k0 = key & _U32
+    k1 = key >> _SH32
+    p0 = ids * _M0
+    c0 = k0
+    c1 = None  # zero
+    c2 = p0 >> _SH32
+    c2 ^= k1
+    c3 = p0
+    c3 &= _U32
+    for rnd in range(1, 10):
+        k0 = k0 + _W0
+        k0 &= _U32
+        k1 = k1 + _W1
+        k1 &= _U32
+        p1 = c2 * _M1
+        n0 = p1 >> _SH32
+        if c1 is not None:
+            n0 ^= c1
+        n0 ^= k0
+        if rnd == 9:
+            return n0
+        p0 = c0 * _M0
+        n2 = p0 >> _SH32
+        n2 ^= c3
+        n2 ^= k1
+        p1 &= _U32
+        p0 &= _U32
+        c0, c1, c2, c3 = n0, p1, n2, p0
+    raise AssertionError("unreachable")
+
+
+def _uniforms(stream: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """float64 of :func:`ipc_dpsample.layout.uniform_from_uint32` of the Philox words of
+    flat (stream key, global id) pairs, computed in cache-sized chunks."""
+    n = len(ids)
+    out = np.empty(n, np.float64)
+    stream = np.asarray(stream, np.uint64)
+    ids = np.asarray(ids).astype(np.uint64)
+    for lo in range(0, n, _NOISE_CHUNK):
+        hi = min(n, lo + _NOISE_CHUNK)
+        w = _philox_x0(ids[lo:hi], stream[lo:hi]).astype(np.uint32)
+        out[lo:hi] = uniform_from_uint32(w)
+    return out
+
+
+def _gumbel_from_uniform(u: np.ndarray) -> np.ndarray:
+    """:func:`ipc_dpsample.layout.gumbel_noise` from its float64 uniforms (the same ops)."""
+    out = np.empty(len(u), np.float32)
+    for lo in range(0, len(u), _NOISE_CHUNK):
+        part = u[lo : lo + _NOISE_CHUNK]
+        out[lo : lo + len(part)] = -det_log(-det_log(part))
+    return out
+
+
+def _noise(stream: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``gumbel_noise(stream, ids)`` of flat pairs, bit for bit, faster."""
+    return _gumbel_from_uniform(_uniforms(stream, ids))
+
+
+# The largest noise value: the uniform is at most float32(2**31 - 1) * scale = 1 - 2**-24
+# (uniform_from_uint32 is monotone in the int32 word), and -log(-log(u)) increases with u.
+_U_MAX = float(uniform_from_uint32(np.array([0x7FFFFFFF], np.uint32))[0])
+_G_MAX = float(-det_log(-det_log(np.array([_U_MAX])))[0])  # 16.6355...
+_G_BOUND = np.float32(_G_MAX + 1e-3)
+"""Every noise value is below this: ``score = float32(z + g) <= float32(z + _G_BOUND)``
+(float32 rounding is monotone), with a margin far above det_log's few-ulp error."""
+assert 16.6 < _G_MAX < 16.7
+_G_SLACK = 1e-6
+"""``|det_log noise - np.log noise|`` is below 1e-12 (both are within a few ulp of the
+logarithm in float64); a float64 margin of 1e-6 bounds the float32 noise either side."""
+
+
+def _desc_keys(xs: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """int64 keys whose ascending order is key order (value descending, ``cols`` ascending;
+    ``-0.0 == +0.0``); ``xs`` float32 without NaN, ``cols`` ints below 2**21."""
+    b = (xs + np.float32(0)).view(np.int32)  # -0.0 + 0.0 = +0.0
+    mono = np.where(b < 0, b ^ np.int32(0x7FFFFFFF), b).astype(np.int64)
+    return ((np.int64(0x7FFFFFFF) - mono) << _COL_BITS) | cols
+
+
+def _first_in_key_order(keys: np.ndarray, n: int) -> np.ndarray:
+    """Columns of the first ``n`` keys of each row, in key order (``n <= keys.shape[1]``)."""
+    width = keys.shape[1]
+    if n < width:
+        part = np.argpartition(keys, n - 1, axis=1)[:, :n]
+    else:
+        part = np.broadcast_to(np.arange(width), keys.shape)
+    sub = np.take_along_axis(keys, part, axis=1)
+    return np.take_along_axis(part, np.argsort(sub, axis=1), axis=1)
+
+
+def _staircases(
+    z: np.ndarray,
+    keys: np.ndarray,
+    mask: np.ndarray,
+    first: np.ndarray,
+    stream: np.ndarray,
+    ids: np.ndarray,
+    cap: np.ndarray,
+    stair_cap: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The staircases of rows of a chunk: :func:`_staircase` of the columns ``mask[i]``.
+
+    ``first[i]`` is the key-first column of ``mask[i]`` (any column where the row is
+    empty); ``cap[i] <= stair_cap`` the row's capacity. The key-first column is the last
+    entry of the staircase (no column beats it in key order), so every entry scores at
+    least ``floor = score(first)``: columns whose ``float32(z + _G_BOUND)`` is below the
+    floor are skipped before their noise is drawn, and columns whose noise from
+    ``np.log`` (within ``_G_SLACK``) keeps them below it skip the exact noise.
+
+    Returns the entries' columns ``[m, stair_cap]`` (-1 where unused), scores, counts and
+    cut flags."""
+    m = len(z)
+    rows = np.arange(m)
+    z_first = z[rows, first]
+    floor = z_first + _noise(stream, ids[first])
     with np.errstate(over="ignore", invalid="ignore"):
-        z = xs / temp[sampled, None]
-    score = z + gumbel_noise(params.stream_keys[sampled, None], ids[None, :])
-    for i, row in enumerate(sampled):
+        reach = mask & ((z + _G_BOUND) >= floor[:, None])
+    r, c = np.nonzero(reach)
+    u = _uniforms(stream[r], ids[c])
+    zz = z[r, c]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ga = -np.log(-np.log(u))
+    ub = zz + (ga + _G_SLACK).astype(np.float32)
+    keep = ub >= floor[r]
+    r, c, u, zz = r[keep], c[keep], u[keep], zz[keep]
+    score = zz + _gumbel_from_uniform(u)
+    keep = score >= floor[r]
+    r, c, score = r[keep], c[keep], score[keep]
+    order = np.lexsort((c, -score, r))
+    r, c, score = r[order], c[order], score[order]
+    count = np.bincount(r, minlength=m)
+    starts = np.concatenate([[0], np.cumsum(count)[:-1]])
+    pos = np.arange(len(r)) - starts[r]
+    width = int(count.max(initial=0))
+    out_c = np.full((m, stair_cap), -1, np.int64)
+    out_s = np.zeros((m, stair_cap), np.float32)
+    n_steps = np.zeros(m, np.int64)
+    cut = np.zeros(m, bool)
+    if width == 0:
+        return out_c, out_s, n_steps, cut, floor
+    padded = np.full((m, width), _MAX_KEY, np.int64)
+    padded[r, pos] = keys[r, c]
+    best = np.minimum.accumulate(padded, axis=1)
+    is_step = np.empty((m, width), bool)
+    is_step[:, 0] = True
+    is_step[:, 1:] = padded[:, 1:] < best[:, :-1]
+    is_step &= padded != _MAX_KEY
+    steps = is_step[r, pos]
+    r, c, score = r[steps], c[steps], score[steps]
+    total = np.bincount(r, minlength=m)
+    nth = np.arange(len(r)) - np.concatenate([[0], np.cumsum(total)[:-1]])[r]
+    fit = nth < cap[r]
+    out_c[r[fit], nth[fit]] = c[fit]
+    out_s[r[fit], nth[fit]] = score[fit]
+    n_steps = np.minimum(total, cap)
+    cut = total > cap
+    return out_c, out_s, n_steps, cut, floor
+
+
+def _sampled_records(
+    rec: np.ndarray,
+    rows: np.ndarray,
+    x: np.ndarray,
+    nan: np.ndarray,
+    ids: np.ndarray,
+    stream_keys: np.ndarray,
+    temp: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    lmp: np.ndarray,
+    list_cap: int,
+    stair_cap: int,
+) -> None:
+    """The sampled rows ``rows`` of :func:`shard_records` (one chunk), vectorised over
+    rows; rows whose shard maximum is not a finite ``z`` take :func:`_records_rows`."""
+    n_valid = x.shape[1]
+    xs = np.where(nan[rows], np.float32(-np.inf), x[rows])
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = xs / temp[rows, None]
+    k, p, mp = top_k[rows], top_p[rows], min_p[rows]
+    top = np.argmax(xs, axis=1)  # the key-first column (xs holds no NaN)
+    zmax = z[np.arange(len(rows)), top]
+    rare = (k == 0) & ~np.isfinite(zmax)
+    if rare.any():
+        _records_rows(
+            rec,
+            rows[rare],
+            xs[rare],
+            z[rare],
+            ids,
+            stream_keys,
+            k,
+            p,
+            mp,
+            lmp,
+            rows,
+            rare,
+            list_cap,
+            stair_cap,
+        )
+    cols = np.arange(n_valid, dtype=np.int64)
+    keys = _desc_keys(xs, cols[None, :])
+    n_list = np.where(k > 0, np.minimum(k, n_valid), np.where(p < 1, min(list_cap, n_valid), 0))
+    n_list[rare] = 0
+    width = int(n_list.max(initial=0))
+    need_rtop = ~rare & (k == 0) & (p < 1) & (n_valid > n_list)
+    take = width + (1 if need_rtop.any() else 0)
+    take = min(take, n_valid)
+    flags = rec["flags"][rows] | (n_list.astype(np.uint32) << _LIST_SHIFT)
+    if take:
+        lead = _first_in_key_order(keys, take)
+        j = np.arange(width)
+        used = j[None, :] < n_list[:, None]
+        lv = np.take_along_axis(xs, lead[:, :width], axis=1)
+        sel = rows[n_list > 0]
+        rec["list_val"][sel, :width] = np.where(used, lv, np.float32(0))[n_list > 0]
+        rec["list_id"][sel, :width] = np.where(used, ids[lead[:, :width]], NO_ID)[n_list > 0]
+    stair = ~rare & (k == 0)
+    if stair.any():
+        srows = np.flatnonzero(stair)
+        sx, sz, skeys = xs[srows], z[srows], keys[srows]
+        s_nl = n_list[srows]
+        s_top = top[srows]
+        s_p, s_mp = p[srows], mp[srows]
+        s_rtop = np.where(s_nl > 0, 0, s_top)
+        has_rest = s_nl < n_valid
+        with_list = np.flatnonzero((s_nl > 0) & has_rest)
+        if len(with_list):
+            s_rtop[with_list] = lead[srows[with_list], s_nl[with_list]]
+        rtop_rows = rows[srows[has_rest]]
+        rec["rtop_id"][rtop_rows] = ids[s_rtop[has_rest]]
+        rec["rtop_val"][rtop_rows] = sx[has_rest, s_rtop[has_rest]]
+        m = len(srows)
+        rest = skeys >= skeys[np.arange(m), s_rtop][:, None]  # key ranks >= n_list
+        rest &= has_rest[:, None]
+        band = s_mp > 0
+        if band.any():
+            thr = (zmax[srows] + lmp[rows[srows]]).astype(np.float32)
+            rest &= np.where(band[:, None], sz >= thr[:, None], True)
+        cap = np.where((s_p < 1) | band, stair_cap, 1)
+        sc, ss, ns, cut, _ = _staircases(
+            sz, skeys, rest, s_rtop, stream_keys[rows[srows]], ids, cap, stair_cap
+        )
+        has = sc >= 0
+        safe = np.where(has, sc, 0)
+        rr = rows[srows]
+        rec["stair_score"][rr] = np.where(has, ss, np.float32(0))
+        rec["stair_val"][rr] = np.where(has, np.take_along_axis(sx, safe, axis=1), np.float32(0))
+        rec["stair_id"][rr] = np.where(has, ids[safe], NO_ID)
+        flags[srows] |= (ns.astype(np.uint32) << _STAIR_SHIFT) | np.where(
+            cut, np.uint32(FLAG_STAIR_CUT), np.uint32(0)
+        )
+        mass_rows = np.flatnonzero(s_p < 1)
+        if len(mass_rows):
+            grp, a = mass_terms(sz[mass_rows])
+            topg = grp[np.arange(len(mass_rows)), s_top[mass_rows]]
+            with np.errstate(invalid="ignore"):
+                d = topg[:, None] - grp
+            mr = rows[srows[mass_rows]]
+            rec["mass_group"][mr] = topg
+            rec["mass"][mr] = np.stack(
+                [np.where(d == dd, a, 0).sum(axis=1) for dd in range(MASS_GROUPS)], axis=1
+            )
+    rec["flags"][rows[~rare]] = flags[~rare]
+
+
+def _records_rows(
+    rec, sel, xs, z, ids, stream_keys, k_all, p_all, mp_all, lmp, rows, rare, list_cap, stair_cap
+) -> None:
+    """The original per-row reduction, for the rare rows (a non-finite shard maximum)."""
+    n_valid = xs.shape[1]
+    score = z + gumbel_noise(stream_keys[sel, None], ids[None, :])
+    idx = np.flatnonzero(rare)
+    for i, row in enumerate(sel):
+        ci = idx[i]
         order = _key_order(xs[i])
         rank = np.empty_like(order)
         rank[order] = np.arange(n_valid)
-        k, p, mp = int(top_k[row]), float(top_p[row]), float(min_p[row])
+        k, p, mp = int(k_all[ci]), float(p_all[ci]), float(mp_all[ci])
         n_list = min(k, n_valid) if k else (min(list_cap, n_valid) if p < 1 else 0)
         r = rec[row]
         r["list_val"][:n_list] = xs[i, order[:n_list]]
@@ -356,7 +666,6 @@ def shard_records(
                     d = top - grp
                 r["mass"] = [int(a[d == dd].sum()) for dd in range(MASS_GROUPS)]
         r["flags"] = flags
-    return rec
 
 
 KEPT, PROBE, UNKNOWN = 0, 1, 2
