@@ -22,10 +22,11 @@ TokenSpeed's Batch-DP route numbers the rows of the rank that verified the reque
 (``ipc_dpsample.layout.accept_chain``).
 
 Samplers (``--sampler``): ``torch`` is :func:`sample_full_rows` below (torch, on the
-device, capturable in a CUDA graph); ``package`` is the package's NumPy reference of
-``verify_batch_vocab``'s sampling (``ipc_dpsample.layout.sample_full_rows``: Philox
-noise, TokenSpeed's filters), run on the host, so that swap and argmax-free sampled
-runs give the tokens ``verify_batch_vocab`` gives.
+device, capturable in a CUDA graph); ``package`` is the package's own torch sampler
+(``ipc_dpsample.sampling.sample_rows``, bit for bit the NumPy reference of
+``verify_batch_vocab``'s sampling, ``ipc_dpsample.layout.sample_full_rows``: Philox
+noise, TokenSpeed's filters), on the rows' device, so that sampled swap runs give
+exactly the tokens ``verify_batch_vocab`` gives.
 """
 
 from __future__ import annotations
@@ -374,39 +375,33 @@ class Verifier:
     def _target_package(
         self, rows: torch.Tensor, x: StepInputs, req0: int, reqs: int
     ) -> torch.Tensor:
-        """The package's reference sampler on the host (NumPy): the tokens
-        ``verify_batch_vocab`` gives for these rows."""
-        import numpy as np
-
-        from ipc_dpsample import layout
+        """The package's own full-row sampler (``ipc_dpsample.sampling``, torch, on the
+        rows' device): the tokens ``verify_batch_vocab`` gives for these rows, bit for
+        bit (the same contract as ``ipc_dpsample.layout.sample_full_rows``)."""
+        from ipc_dpsample import sampling
 
         s, n = self.sampling, self.n
         assert s is not None
-        pad_bs = x.temperature.shape[0]
-        host = {k: getattr(x, k).cpu().numpy() for k in ("temperature", "seed", "offset")}
-        vp = layout.verify_params(
-            pad_bs=pad_bs,
+        pad_bs, dev = x.temperature.shape[0], x.temperature.device
+
+        def full(value: float | int | None, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if value is None else torch.full((pad_bs,), value, dtype=dtype, device=dev)
+
+        rp = sampling.row_params(
+            temperature=x.temperature.to(torch.float32),
+            seed=x.seed.to(torch.int64),
+            offset=x.offset.to(torch.int64),
             num_tokens_per_req=n,
-            vocab_size=self.vocab_size,
-            temperature=host["temperature"].astype(np.float32),
-            seed=host["seed"].astype(np.int64),
-            offset=host["offset"].astype(np.int64),
-            top_k=None if s.top_k is None else np.full(pad_bs, s.top_k, np.int32),
-            top_p=None if s.top_p is None else np.full(pad_bs, s.top_p, np.float32),
             vocab_limit=self.vocab_limit,
-            bs=int(x.bs) if isinstance(x.bs, int) else int(x.bs.reshape(-1)[0]),
+            top_k=full(s.top_k, torch.int32),
+            top_p=full(s.top_p, torch.float32),
+            check=False,  # the example's own flags were checked at start-up
         )
         sl = slice(req0 * n, (req0 + reqs) * n)
-        tok = layout.sample_full_rows(
-            rows.to(torch.float32).cpu().numpy(),
-            temperature=vp.per_row(vp.temperature)[sl],
-            top_k=vp.per_row(vp.top_k)[sl],
-            top_p=vp.per_row(vp.top_p)[sl],
-            min_p=vp.per_row(vp.min_p)[sl],
-            greedy=vp.greedy_rows[sl],
-            stream_key=vp.stream_keys[sl],
+        tok = sampling.sample_rows(
+            rows, vocab_limit=self.vocab_limit, **{k: v[sl] for k, v in rp._asdict().items()}
         )
-        return torch.from_numpy(tok.astype(np.int64)).to(rows.device)
+        return tok.to(torch.int64)
 
     def run(self, x: StepInputs, pad_bs: int) -> VerifyOut:
         r = pad_bs // self.tp
