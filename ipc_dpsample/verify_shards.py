@@ -111,7 +111,6 @@ from .layout import (
     prefix_masses,
     sample_full_rows,
     top_p_threshold,
-    torch_argmax,
     uniform_from_uint32,
     verify_params,
 )
@@ -299,18 +298,25 @@ def shard_records(
     x = as_float32(np.asarray(local_logits)[:real, :n_valid], dtype)
     ids = base + np.arange(n_valid)
 
-    # greedy and logprob partials, every row
-    nan = np.isnan(x)
-    has_nan = nan.any(axis=1)
-    g = torch_argmax(x)
+    # greedy and logprob partials, every row (np.argmax is torch.argmax: the first NaN,
+    # else the first maximum), in row chunks that keep the float64 temporaries small
+    g = np.empty(real, np.int64)
+    sumexp = np.empty(real, np.float64)
+    step = max(1, _CHUNK_ELEMS // n_valid)
+    for lo in range(0, real, step):
+        part = x[lo : lo + step]
+        g[lo : lo + step] = gi = np.argmax(part, axis=1)
+        gv = part[np.arange(len(part)), gi]
+        ok = np.isfinite(gv)
+        with np.errstate(invalid="ignore", over="ignore"):
+            sh = part.astype(np.float64) - np.where(ok, gv, 0).astype(np.float64)[:, None]
+            sumexp[lo : lo + step] = np.where(ok, np.exp(sh).sum(axis=1), 0.0)
     gval = x[np.arange(real), g]
+    has_nan = np.isnan(gval)
     rec["greedy_id"][:real] = ids[g]
     rec["greedy_val"][:real] = gval
     rec["flags"][:real] |= np.where(has_nan, FLAG_HAS_NAN, 0).astype(np.uint32)
-    ok = np.isfinite(gval)
-    with np.errstate(invalid="ignore", over="ignore"):
-        sh = x.astype(np.float64) - np.where(ok, gval, 0).astype(np.float64)[:, None]
-        rec["sumexp"][:real] = np.where(ok, np.exp(sh).sum(axis=1), 0.0)
+    rec["sumexp"][:real] = sumexp
 
     per = params.per_row
     temp = per(params.temperature)[:real]
@@ -328,7 +334,7 @@ def shard_records(
             rec,
             sampled[lo : lo + step],
             x,
-            nan,
+            has_nan,
             ids,
             keys,
             temp,
@@ -437,20 +443,25 @@ def _desc_keys(xs: np.ndarray, cols: np.ndarray) -> np.ndarray:
     return ((np.int64(0x7FFFFFFF) - mono) << _COL_BITS) | cols
 
 
-def _first_in_key_order(keys: np.ndarray, n: int) -> np.ndarray:
-    """Columns of the first ``n`` keys of each row, in key order (``n <= keys.shape[1]``)."""
-    width = keys.shape[1]
-    if n < width:
-        part = np.argpartition(keys, n - 1, axis=1)[:, :n]
-    else:
-        part = np.broadcast_to(np.arange(width), keys.shape)
-    sub = np.take_along_axis(keys, part, axis=1)
-    return np.take_along_axis(part, np.argsort(sub, axis=1), axis=1)
+def _first_in_key_order(xs: np.ndarray, n: int) -> np.ndarray:
+    """Columns of the first ``n`` columns of each row of ``xs`` (float32, no NaN) in key
+    order, ``n <= xs.shape[1]``: the columns at or above the row's ``n``-th largest value
+    (ties included), then sorted by their integer keys."""
+    m, width = xs.shape
+    nth = np.partition(xs, width - n, axis=1)[:, width - n]
+    r, c = np.nonzero(xs >= nth[:, None])
+    keys = _desc_keys(xs[r, c], c.astype(np.int64))
+    count = np.bincount(r, minlength=m)
+    pos = np.arange(len(r)) - (np.cumsum(count) - count)[r]
+    padded = np.full((m, int(count.max())), _MAX_KEY, np.int64)
+    padded[r, pos] = keys
+    padded.sort(axis=1)
+    return (padded[:, :n] & ((1 << _COL_BITS) - 1)).astype(np.int64)
 
 
 def _staircases(
     z: np.ndarray,
-    keys: np.ndarray,
+    xs: np.ndarray,
     mask: np.ndarray,
     first: np.ndarray,
     stream: np.ndarray,
@@ -499,7 +510,7 @@ def _staircases(
     if width == 0:
         return out_c, out_s, n_steps, cut, floor
     padded = np.full((m, width), _MAX_KEY, np.int64)
-    padded[r, pos] = keys[r, c]
+    padded[r, pos] = _desc_keys(xs[r, c], c)
     best = np.minimum.accumulate(padded, axis=1)
     is_step = np.empty((m, width), bool)
     is_step[:, 0] = True
@@ -521,7 +532,7 @@ def _sampled_records(
     rec: np.ndarray,
     rows: np.ndarray,
     x: np.ndarray,
-    nan: np.ndarray,
+    has_nan: np.ndarray,
     ids: np.ndarray,
     stream_keys: np.ndarray,
     temp: np.ndarray,
@@ -535,7 +546,9 @@ def _sampled_records(
     """The sampled rows ``rows`` of :func:`shard_records` (one chunk), vectorised over
     rows; rows whose shard maximum is not a finite ``z`` take :func:`_records_rows`."""
     n_valid = x.shape[1]
-    xs = np.where(nan[rows], np.float32(-np.inf), x[rows])
+    xs = x[rows]
+    if has_nan[rows].any():
+        xs = np.where(np.isnan(xs), np.float32(-np.inf), xs)
     with np.errstate(over="ignore", invalid="ignore"):
         z = xs / temp[rows, None]
     k, p, mp = top_k[rows], top_p[rows], min_p[rows]
@@ -559,8 +572,6 @@ def _sampled_records(
             list_cap,
             stair_cap,
         )
-    cols = np.arange(n_valid, dtype=np.int64)
-    keys = _desc_keys(xs, cols[None, :])
     n_list = np.where(k > 0, np.minimum(k, n_valid), np.where(p < 1, min(list_cap, n_valid), 0))
     n_list[rare] = 0
     width = int(n_list.max(initial=0))
@@ -569,7 +580,7 @@ def _sampled_records(
     take = min(take, n_valid)
     flags = rec["flags"][rows] | (n_list.astype(np.uint32) << _LIST_SHIFT)
     if take:
-        lead = _first_in_key_order(keys, take)
+        lead = _first_in_key_order(xs, take)
         j = np.arange(width)
         used = j[None, :] < n_list[:, None]
         lv = np.take_along_axis(xs, lead[:, :width], axis=1)
@@ -579,7 +590,7 @@ def _sampled_records(
     stair = ~rare & (k == 0)
     if stair.any():
         srows = np.flatnonzero(stair)
-        sx, sz, skeys = xs[srows], z[srows], keys[srows]
+        sx, sz = xs[srows], z[srows]
         s_nl = n_list[srows]
         s_top = top[srows]
         s_p, s_mp = p[srows], mp[srows]
@@ -592,7 +603,8 @@ def _sampled_records(
         rec["rtop_id"][rtop_rows] = ids[s_rtop[has_rest]]
         rec["rtop_val"][rtop_rows] = sx[has_rest, s_rtop[has_rest]]
         m = len(srows)
-        rest = skeys >= skeys[np.arange(m), s_rtop][:, None]  # key ranks >= n_list
+        rv = sx[np.arange(m), s_rtop][:, None]  # key ranks >= n_list: at or after rtop
+        rest = (sx < rv) | ((sx == rv) & (np.arange(n_valid) >= s_rtop[:, None]))
         rest &= has_rest[:, None]
         band = s_mp > 0
         if band.any():
@@ -600,7 +612,7 @@ def _sampled_records(
             rest &= np.where(band[:, None], sz >= thr[:, None], True)
         cap = np.where((s_p < 1) | band, stair_cap, 1)
         sc, ss, ns, cut, _ = _staircases(
-            sz, skeys, rest, s_rtop, stream_keys[rows[srows]], ids, cap, stair_cap
+            sz, sx, rest, s_rtop, stream_keys[rows[srows]], ids, cap, stair_cap
         )
         has = sc >= 0
         safe = np.where(has, sc, 0)
@@ -804,34 +816,124 @@ def combine_records(
     pending: dict[int, Pending] = {}
     logit_max = np.zeros(real, np.float32)
     sumexp = np.zeros(real, np.float64)
-    for row in range(real):
-        r = rec[row]
-        gv, gi = r["greedy_val"], r["greedy_id"]
-        nan = (r["flags"] & FLAG_HAS_NAN) != 0
-        if nan.any():
-            tok, val = int(gi[nan].min()), np.float32(np.nan)
-            logit_max[row] = np.nan
-        else:
-            b = _best(gv, gi)
-            tok, val = int(gi[b]), gv[b]
-            logit_max[row] = val
-            if np.isfinite(val):
-                sumexp[row] = float(np.sum(r["sumexp"] * np.exp(gv.astype(np.float64) - val)))
-        t = temp[row]
+    if real == 0:
+        return Combined(tokens, token_val, pending, logit_max, sumexp)
+    rows = np.arange(real)
+    gv, gi = rec["greedy_val"], rec["greedy_id"]  # [rows, tp]
+    nan = (rec["flags"] & FLAG_HAS_NAN) != 0
+    any_nan = nan.any(axis=1)
+    big = np.int64(np.iinfo(np.int64).max)
+    gi64 = gi.astype(np.int64)
+    nan_tok = np.where(nan, gi64, big).min(axis=1)
+    # the best (value desc, id asc) shard maximum: the lowest id among the maxima
+    clean = np.where(nan, np.float32(-np.inf), gv)
+    top = clean.max(axis=1)
+    b = np.argmin(np.where(clean == top[:, None], gi64, big), axis=1)
+    val = np.where(any_nan, np.float32(np.nan), gv[rows, b])
+    tok = np.where(any_nan, nan_tok, gi64[rows, b])
+    logit_max[:] = val
+    fin = ~any_nan & np.isfinite(val)
+    if fin.any():
         with np.errstate(over="ignore", invalid="ignore"):
-            zmax = np.float32(val / t) if not greedy[row] else np.float32(np.nan)
-        if greedy[row] or nan.any() or not np.isfinite(zmax):
-            tokens[row], token_val[row] = tok, val
-            continue
+            e = rec["sumexp"][fin] * np.exp(gv[fin].astype(np.float64) - val[fin, None])
+        sumexp[fin] = np.sum(e, axis=1)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        zmax = np.where(greedy, np.float32(np.nan), val / np.where(greedy, 1, temp))
+    zmax = zmax.astype(np.float32)
+    done = greedy | any_nan | ~np.isfinite(zmax)
+    tokens[done] = tok[done]
+    token_val[done] = val[done]
+    open_rows = ~done
+    kr = np.flatnonzero(open_rows & (top_k > 0))
+    slow = np.zeros(real, bool)
+    if len(kr):
+        slow[kr] = ~_combine_top_k(
+            rec[kr], kr, temp, zmax, top_k, top_p, lmp, keys, tokens, token_val
+        )
+    tr = np.flatnonzero(open_rows & (top_k == 0) & (top_p >= 1) & (min_p <= 0))
+    if len(tr):
+        slow[tr] = ~_combine_temperature(rec[tr], tr, tokens, token_val)
+    slow |= open_rows & (top_k == 0) & ((top_p < 1) | (min_p > 0))
+    for row in np.flatnonzero(slow):
+        r = rec[row]
         walk = _candidates(
-            r, t, zmax, int(top_k[row]), np.float32(top_p[row]), min_p[row], lmp[row], keys[row]
+            r,
+            temp[row],
+            zmax[row],
+            int(top_k[row]),
+            np.float32(top_p[row]),
+            min_p[row],
+            lmp[row],
+            keys[row],
         )
         win = walk.resolve(None)
         if win is None:
-            pending[row] = walk
+            pending[int(row)] = walk
         else:
             tokens[row], token_val[row] = win
     return Combined(tokens, token_val, pending, logit_max, sumexp)
+
+
+def _combine_temperature(rec, rows, tokens, token_val) -> np.ndarray:
+    """Temperature-only rows: the best (score, id) of the shards' one-entry staircases.
+    Returns which rows it decided (the others take :func:`_candidates`)."""
+    n_stair = (rec["flags"] >> _STAIR_SHIFT) & 0xFF
+    has = n_stair > 0
+    ss = np.where(has, rec["stair_score"][:, :, 0], np.float32(-np.inf))
+    si = rec["stair_id"][:, :, 0].astype(np.int64)
+    best = ss.max(axis=1)
+    big = np.int64(np.iinfo(np.int64).max)
+    j = np.argmin(np.where(has & (ss == best[:, None]), si, big), axis=1)
+    ok = has.any(axis=1)
+    sel = np.arange(len(rows))
+    tokens[rows[ok]] = si[sel, j][ok]
+    token_val[rows[ok]] = rec["stair_val"][sel, j, 0][ok]
+    return ok
+
+
+def _combine_top_k(rec, rows, temp, zmax, top_k, top_p, lmp, keys, tokens, token_val):
+    """Top-k rows (with top-p / min-p): the merged lists' first k, filtered, best score.
+    Returns which rows it decided (the others take :func:`_candidates`)."""
+    m, tp = rec.shape
+    n_list = (rec["flags"] >> _LIST_SHIFT) & 0xFF
+    cap = rec["list_val"].shape[-1]
+    used = np.arange(cap)[None, None, :] < n_list[:, :, None]
+    vals = rec["list_val"].reshape(m, tp * cap)
+    ids = rec["list_id"].reshape(m, tp * cap).astype(np.int64)
+    mk = np.where(used.reshape(m, tp * cap), _desc_keys(vals, ids), _MAX_KEY)
+    order = np.argsort(mk, axis=1, kind="stable")
+    k = top_k[rows]
+    kk = int(k.max())
+    order = order[:, :kk]
+    valid = (np.take_along_axis(mk, order, axis=1) != _MAX_KEY) & (np.arange(kk) < k[:, None])
+    vals = np.take_along_axis(vals, order, axis=1)
+    ids = np.take_along_axis(ids, order, axis=1)
+    t = temp[rows]
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = vals / t[:, None]
+    z = np.where(valid, z, np.float32(-np.inf))
+    r, c = np.nonzero(valid)
+    score = np.full((m, kk), -np.inf, np.float32)
+    score[r, c] = z[r, c] + _noise(keys[rows][r], ids[r, c])
+    mp = lmp[rows]
+    thr_z = np.where(mp != 0, (zmax[rows] + mp).astype(np.float32), np.float32(-np.inf))
+    with np.errstate(invalid="ignore"):
+        kept = valid & (z >= thr_z[:, None])
+    p = top_p[rows]
+    pr = np.flatnonzero(p < 1)
+    if len(pr):
+        before = prefix_masses(z[pr], valid[pr])
+        threshold = top_p_threshold(p[pr], before[:, -1])
+        kept[pr] &= before[:, :-1] < threshold[:, None]
+    ms = np.where(kept, score, np.float32(-np.inf))
+    best = ms.max(axis=1)
+    big = np.int64(np.iinfo(np.int64).max)
+    j = np.argmin(np.where(kept & (ms == best[:, None]), ids, big), axis=1)
+    ok = kept.any(axis=1) & np.isfinite(best)
+    sel = np.arange(m)
+    tokens[rows[ok]] = ids[sel, j][ok]
+    token_val[rows[ok]] = vals[sel, j][ok]
+    return ok
 
 
 def _candidates(
