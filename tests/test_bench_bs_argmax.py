@@ -284,7 +284,7 @@ def test_bench_cpu_bs_list_and_argmax_end_to_end(tmp_path: Path) -> None:
     assert checked and all(r["verified"] == "True" for r in checked)
     assert all(float(r["median_us"]) > 0 and float(r["p90_us"]) >= float(r["p10_us"]) for r in ok)
     torch_ops = {(r["op"], r["pad_bs"], r["bs"]) for r in ok if r["impl"] == "torch"}
-    for op in (*common.OPS, "swap_argmax", "read_once"):
+    for op in (*bench.DEFAULT_OPS, "swap_argmax", "read_once"):
         assert {(p, b) for o, p, b in torch_ops if o == op} == {
             ("4", "4"), ("4", "3"), ("8", "8"), ("8", "5"), ("8", "1")
         }, op  # fmt: skip

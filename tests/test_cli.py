@@ -277,7 +277,7 @@ def test_demo_report_and_exit_code(
     assert demo.slowest_rank_times(good, "swap_batch_vocab") == [2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
     table = demo.format_report(plan, good)
     assert "4.00 ms" in table  # median of the slowest rank
-    assert table.count(f"yes (8 outputs, 2 with bs={plan.bs})") == 4  # the four ops
+    assert table.count(f"yes (8 outputs, 2 with bs={plan.bs})") == len(common.OPS)  # every op
     assert "argmax_batch_vocab" in table and "2 x [32]" in table  # R*N ids and logprobs
     bad = _fake_demo_results(plan, 1)
     assert demo.mismatches(bad) == [
@@ -650,9 +650,9 @@ def test_demo_end_to_end() -> None:
     assert elapsed < 60
     out = proc.stdout
     assert "OK: every output matches the NumPy reference" in out
-    for op in common.OPS:  # the three collectives and the argmax
+    for op in common.OPS:  # the three collectives, the argmax and the sampled verify
         assert op in out
-    assert "argmax_batch_vocab" in common.OPS
+    assert "argmax_batch_vocab" in common.OPS and "verify_batch_vocab" in common.OPS
     plan = demo.plan_demo(CPU_BOX)
     assert f"one with bs={plan.bs} real requests" in out
     # every op was also checked with bs < pad_bs

@@ -3,9 +3,9 @@
 Subcommands
 -----------
 ``demo``
-    Run the three collectives and ``argmax_batch_vocab`` on this machine (once
-    with a real batch ``bs < pad_bs``), verify them against the NumPy reference and
-    print a short table (:mod:`ipc_dpsample.demo`).
+    Run the three collectives, ``argmax_batch_vocab`` and ``verify_batch_vocab`` on
+    this machine (once with a real batch ``bs < pad_bs``), verify them against the
+    NumPy reference and print a short table (:mod:`ipc_dpsample.demo`).
 ``doctor``
     Check versions, GPUs, peer-to-peer access, CUDA IPC, the NVLink topology and
     known hazards; say which backend ``auto`` would choose; self-test every backend
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,doctor,bench}")
     sub.required = True
     for name, module, text in (
-        ("demo", demo, "run and verify the four ops on this machine"),
+        ("demo", demo, "run and verify the five ops on this machine"),
         ("doctor", doctor, "check this machine and say which backend would run"),
         ("bench", bench, "benchmark backends against NCCL, torch and the copy limit"),
     ):

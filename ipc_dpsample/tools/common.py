@@ -3,7 +3,7 @@ ranks.
 
 * :func:`detect_machine` probes GPUs and the optional backends once
   (:class:`Machine`); CuPy's ``CUDARuntimeError`` counts as "no GPU".
-* :class:`DemoPlan` describes one run of the four ops (ranks, shapes, seed);
+* :class:`DemoPlan` describes one run of the five ops (ranks, shapes, seed);
   :func:`make_round` draws every rank's seeded random inputs and the reference
   outputs for one round.
 * :func:`bits_equal`, :func:`to_torch`, :func:`to_numpy` compare and move data
@@ -46,6 +46,7 @@ __all__ = [
     "GATE_MAX_CYCLES",
     "GPU_SHAPE",
     "OPS",
+    "VERIFY",
     "DemoPlan",
     "DeviceKind",
     "Gate",
@@ -61,6 +62,7 @@ __all__ = [
     "make_round",
     "rank_device",
     "ranks_share_gpu",
+    "round_logits",
     "spawn",
     "stream_scope",
     "time_gated",
@@ -71,12 +73,17 @@ __all__ = [
 
 #: The greedy verify op (the arg-max of every full row without moving the logits).
 ARGMAX = "argmax_batch_vocab"
-#: The ops: the three collectives in the order a verify step calls them, then the argmax.
+#: The sampled verify op (every rank's shard of every row in, the whole batch's verify
+#: results out; :mod:`ipc_dpsample.tools.verify_case` builds its data).
+VERIFY = "verify_batch_vocab"
+#: The ops: the three collectives in the order a verify step calls them, then the argmax
+#: and the sampled verify.
 OPS: tuple[str, ...] = (
     "swap_batch_vocab",
     "gather_verify_outputs",
     "gather_verify_logprobs",
     ARGMAX,
+    VERIFY,
 )
 
 Launch = Literal["processes", "threads"]
@@ -173,14 +180,18 @@ class DemoPlan:
             return f"3 x [{r}, {n}]", f"3 x [{self.pad_bs}, {n}]", "int32"
         if op == ARGMAX:
             return f"[{self.pad_bs * n}, {self.vocab_shard}]", f"2 x [{r * n}]", self.dtype
+        if op == VERIFY:
+            logits = f"[{self.pad_bs * n}, {self.vocab_shard}]"
+            return f"{logits} + [{self.pad_bs}, {n}]", f"3 x [{self.pad_bs}, {n}]", self.dtype
         return f"[{r}, {n}]", f"[{self.pad_bs}, {n}]", "float32"
 
     def op_bytes(self, op: str) -> int:
-        """Bytes each rank receives in ``op`` (its output's size)."""
+        """Bytes each rank receives in ``op`` (its output's size; the verify's records
+        are in the demo's footnote)."""
         r, n = self.reqs_per_rank, self.num_tokens
         if op == "swap_batch_vocab":
             return r * n * self.vocab * ITEMSIZE[self.dtype]
-        if op == "gather_verify_outputs":
+        if op in ("gather_verify_outputs", VERIFY):
             return self.pad_bs * (2 * n + 1) * 4
         if op == ARGMAX:
             return r * n * 8  # int32 ids + float32 logprobs
@@ -215,6 +226,18 @@ def _random_logits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str)
     return (values.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 bits (truncated)
 
 
+def _round_start(plan: DemoPlan, round_: int) -> tuple[np.random.Generator, list[np.ndarray]]:
+    rng = np.random.default_rng([plan.seed, round_])
+    shape = (plan.pad_bs * plan.num_tokens, plan.vocab // plan.world)
+    return rng, [_random_logits(rng, shape, plan.dtype) for _ in range(plan.world)]
+
+
+def round_logits(plan: DemoPlan, round_: int) -> list[np.ndarray]:
+    """Every rank's ``local_logits`` of one round, as :func:`make_round` gives them
+    (``verify_batch_vocab``'s reference needs every shard)."""
+    return _round_start(plan, round_)[1]
+
+
 def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) -> list[RankData]:
     """Random inputs of every rank for one round and the reference outputs.
 
@@ -229,8 +252,7 @@ def make_round(plan: DemoPlan, round_: int, ranks: Sequence[int] | None = None) 
         Ranks to return (all when None); the result is indexed like ``ranks``.
     """
     w, r, n, v = plan.world, plan.reqs_per_rank, plan.num_tokens, plan.vocab
-    rng = np.random.default_rng([plan.seed, round_])
-    logits = [_random_logits(rng, (plan.pad_bs * n, v // w), plan.dtype) for _ in range(w)]
+    rng, logits = _round_start(plan, round_)
     predict = [rng.integers(1, v, (r, n), dtype=np.int32) for _ in range(w)]
     accept_index = [rng.integers(1, plan.pad_bs * n, (r, n), dtype=np.int32) for _ in range(w)]
     accept_length = [rng.integers(1, n + 1, (r,), dtype=np.int32) for _ in range(w)]

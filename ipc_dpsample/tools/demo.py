@@ -1,5 +1,5 @@
-"""``ipc-dpsample demo``: run the three collectives and ``argmax_batch_vocab`` on
-this machine and prove them.
+"""``ipc-dpsample demo``: run the three collectives, ``argmax_batch_vocab`` and
+``verify_batch_vocab`` on this machine and prove them.
 
 The demo starts as many ranks as the machine supports, feeds every op random
 data (never zeros), compares every result with the NumPy reference of
@@ -8,6 +8,12 @@ data (never zeros), compares every result with the NumPy reference of
 also with a real batch ``bs < pad_bs`` (real rows only), times the ops and prints
 one short table whose header says what was timed (:func:`timing_text`). It exits
 with 1 when any rank fails or any output differs from the reference.
+
+``verify_batch_vocab`` samples a serving mix (half greedy, half temperature 0.8 with
+top-k 50 and top-p 0.9, :data:`~.verify_case.DEMO_MIX`) with candidates that accept
+some drafts and reject others; a backend without the op in this version (onesided,
+nccl) gets the row "not available on <backend> in this version", which is not a
+failure (:func:`verify_note` is the row's footnote: the record bytes).
 
 How ranks are laid out (:func:`plan_demo`):
 
@@ -46,6 +52,7 @@ from .common import (
     CPU_SHAPE,
     GPU_SHAPE,
     OPS,
+    VERIFY,
     DemoPlan,
     DeviceKind,
     Gate,
@@ -58,6 +65,7 @@ from .common import (
     spawn,
 )
 from .demo_rank import demo_rank
+from .verify_case import DEMO_MIX, mix_text, record_bytes
 
 __all__ = [
     "DESCRIPTION",
@@ -70,15 +78,23 @@ __all__ = [
     "run_demo",
     "slowest_rank_times",
     "timing_text",
+    "unavailable",
+    "verify_note",
 ]
 
 #: ``ipc-dpsample demo --help``: plain text (argparse prints it as is).
 DESCRIPTION = """\
-Run the three collectives and argmax_batch_vocab on this machine and prove
-them. Every op gets random data, and every output is compared with the NumPy
-reference: bit for bit, the argmax's logprobs within a float32 tolerance of a
-float64 reference, once also with a real batch bs < pad_bs (real rows only).
-Then every op is timed and one short table is printed.
+Run the three collectives, argmax_batch_vocab and verify_batch_vocab on this
+machine and prove them. Every op gets random data, and every output is
+compared with the NumPy reference: bit for bit, the argmax's logprobs within
+a float32 tolerance of a float64 reference, once also with a real batch
+bs < pad_bs (real rows only). Then every op is timed and one short table is
+printed.
+
+verify_batch_vocab samples a serving mix (half greedy, half temperature 0.8
+with top-k 50 and top-p 0.9) with drafts that are accepted and rejected. A
+backend without the op in this version (onesided, nccl) shows its row as not
+available, which is not a failure.
 
 Ranks: one process per GPU with two or more GPUs; 4 rank threads sharing the
 GPU with one GPU (when the one-sided backend imports, else one rank); 4 CPU
@@ -287,6 +303,10 @@ def format_report(plan: DemoPlan, results: Sequence[dict[str, Any]]) -> str:
     header += (f"median ({label})", f"p90 ({label})", "verified")
     rows = [header]
     for op in OPS:
+        missing = unavailable(results, op)
+        if missing:
+            rows.append((op, *plan.op_shapes(op), _fmt_bytes(plan.op_bytes(op)), "-", "-", missing))
+            continue
         times = slowest_rank_times(results, op)
         median = statistics.median(times)
         p90 = float(np.percentile(times, 90))
@@ -307,7 +327,36 @@ def format_report(plan: DemoPlan, results: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines.append(verify_note(plan))
     return "\n".join(lines)
+
+
+def unavailable(results: Sequence[dict[str, Any]], op: str) -> str:
+    """``"not available on <backend> in this version"`` when a rank's backend lacks
+    ``op`` (it was neither checked nor timed), else ``""``."""
+    return next(
+        (
+            res["ops"][op].get("unavailable", "")
+            for res in results
+            if res["ops"][op].get("unavailable")
+        ),
+        "",
+    )
+
+
+def verify_note(plan: DemoPlan) -> str:
+    """The footnote of the table's ``verify_batch_vocab`` row: its mix, and the bytes its
+    records move against the swap's."""
+    rec = record_bytes(DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab)
+    peers = plan.world - 1
+    moved = peers * plan.pad_bs * plan.num_tokens * rec
+    return (
+        f"note: {VERIFY}'s mix: {mix_text(DEMO_MIX)}; 0 to N-1 drafts accepted per "
+        f"request; a {rec} B record per row per shard, {_fmt_bytes(moved)} received per "
+        f"rank from its {peers} "
+        f"peer{'s' if peers != 1 else ''} (swap_batch_vocab: "
+        f"{_fmt_bytes(plan.op_bytes('swap_batch_vocab'))})"
+    )
 
 
 # -- command line -------------------------------------------------------------------
@@ -386,9 +435,11 @@ def run(ns: argparse.Namespace) -> int:
         for line in bad[:20]:
             print(f"  {line}")
         return 1
+    missing = unavailable(results, VERIFY)
     print(
         "\nOK: every output matches the NumPy reference: bit for bit, argmax logprobs within "
         f"the float32 tolerance of the float64 reference ({elapsed:.1f} s)"
+        + (f"; {VERIFY} {missing}" if missing else "")
     )
     return 0
 

@@ -9,8 +9,16 @@ import datetime
 from collections.abc import Callable, Sequence
 
 from ...arrays import LOGITS_DTYPES, normalize_dtype
-from ..common import ARGMAX, OPS
-from .config import BACKEND_CHOICES, BASELINES, CPU_DEFAULTS, GPU_DEFAULTS, MODES, BenchConfig
+from ..common import ARGMAX
+from .config import (
+    BACKEND_CHOICES,
+    BASELINES,
+    CPU_DEFAULTS,
+    DEFAULT_OPS,
+    GPU_DEFAULTS,
+    MODES,
+    BenchConfig,
+)
 
 __all__ = [
     "add_arguments",
@@ -116,9 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ops",
-        type=choice_list(OPS),
-        default=OPS,
-        help=f"ops to measure, from {{{','.join(OPS)}}} (default: all; {ARGMAX} also "
+        type=choice_list(DEFAULT_OPS),
+        default=DEFAULT_OPS,
+        help=f"ops to measure, from {{{','.join(DEFAULT_OPS)}}} (default: all; {ARGMAX} also "
         "measures its baselines on each backend: swap_argmax = swap_batch_vocab then "
         "torch.argmax over the swapped real rows, read_once = torch.amax over the shard's "
         "real rows)",

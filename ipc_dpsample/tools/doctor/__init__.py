@@ -28,7 +28,9 @@ The report (``--json`` prints it; :data:`SCHEMA` describes it) holds, in order:
     gathered here) with its reason.
 ``selftests``
     A short bit-exact run of every backend that can run here (the demo's rank
-    body on tiny shapes).
+    body on tiny shapes), ``verify_batch_vocab`` included; a backend without that
+    op in this version (onesided, nccl) passes with the detail "verify_batch_vocab
+    not available on <backend> in this version".
 
 Exit code 0 when the verdict is ok, 1 otherwise.
 
