@@ -97,10 +97,10 @@ def test_points_bring_the_argmax_baselines_and_bs_innermost() -> None:
         "gather_verify_logprobs",
     ]
     assert pts[:4] == [
-        (ARGMAX, "bfloat16", 8, 8, "eager"),
-        (ARGMAX, "bfloat16", 8, 3, "eager"),
-        (ARGMAX, "bfloat16", 8, 8, "graph"),
-        (ARGMAX, "bfloat16", 8, 3, "graph"),
+        (ARGMAX, "bfloat16", 8, 8, "eager", ""),
+        (ARGMAX, "bfloat16", 8, 3, "eager", ""),
+        (ARGMAX, "bfloat16", 8, 8, "graph", ""),
+        (ARGMAX, "bfloat16", 8, 3, "graph", ""),
     ]
     # the raw baselines measure the collectives only
     assert {p[0] for p in bench.points(cfg, lp, "copy")} == {"gather_verify_logprobs"}

@@ -114,8 +114,8 @@ def test_points_sweep_dtypes_only_for_the_logits_ops() -> None:
     lp = bench.plan_launches(cfg, EIGHT_GPUS)[0]
     pts = bench.points(cfg, lp)
     assert len(pts) == 2 * 2 + 2 + 2
-    assert ("gather_verify_outputs", "int32", 8, 8, "eager") in pts
-    assert ("gather_verify_logprobs", "float32", 16, 16, "eager") in pts
+    assert ("gather_verify_outputs", "int32", 8, 8, "eager", "") in pts
+    assert ("gather_verify_logprobs", "float32", 16, 16, "eager", "") in pts
     assert bench.op_bytes("swap_batch_vocab", "bfloat16", 64, 8, 4, 152064) == 8 * 4 * 152064 * 2
     assert bench.op_bytes("gather_verify_outputs", "int32", 64, 8, 4, 152064) == 64 * 9 * 4
 
@@ -143,8 +143,8 @@ def fake_rows(
     def rank(r: int) -> dict[str, Any]:
         samples, info = {}, {}
         for impl in lp.impls:
-            for op, dtype, pad_bs, bs, mode in bench.points(cfg, lp, impl):
-                key = (impl, op, dtype, pad_bs, bs, mode)
+            for op, dtype, pad_bs, bs, mode, mix in bench.points(cfg, lp, impl):
+                key = (impl, op, dtype, pad_bs, bs, mode, mix)
                 base = seconds(impl, op, pad_bs, bs, mode)
                 samples[key] = [base * (1 + 0.1 * i) * (1 + r) for i in range(5)]
                 info[key] = {"status": "ok", "note": "", "resolved": impl, "bs_arg": "host",
@@ -266,7 +266,7 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
         def __init__(self, rank: int) -> None:
             self.rank = rank
 
-        def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Any:
+        def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str) -> Any:
             if self.rank == 1:
                 raise RuntimeError("no memory on rank 1")
             return bench_runners.Prepared(lambda: None)
@@ -274,7 +274,7 @@ def test_bench_rank_in_process_agrees_on_failures() -> None:
     def body(rank: int, world: int, group: Any) -> Any:
         ctx = bench_runners.RankCtx(rank, group, group, None, None, cfg, lp)
         samples: dict[Any, Any] = {}
-        key = ("x", "swap_batch_vocab", "float32", 4, 4, "eager")
+        key = ("x", "swap_batch_vocab", "float32", 4, 4, "eager", "")
         first = bench_measure.bench_point(ctx, Flaky(rank), key, samples)
         second = bench_measure.bench_point(ctx, Flaky(5), key, samples)  # both ranks fine again
         return first, second, samples[key]
@@ -294,7 +294,7 @@ def test_bench_help_lists_every_allowed_value(capsys: pytest.CaptureFixture[str]
     text = text.replace("- ", "-")  # argparse may wrap a long choice list
     for values in (bench.BACKEND_CHOICES, bench.BASELINES, bench.MODES, ("bf16", "fp16", "fp32")):
         assert "{" + ",".join(values) + "}" in text, values
-    for op in bench.DEFAULT_OPS:
+    for op in common.OPS:
         assert op in text.replace(" ", ""), op
 
 

@@ -8,7 +8,7 @@ For every tensor-parallel size ``tp`` the sweep starts one set of ranks:
   GPU 0 (``run_threads``; only the one-sided backend can run so);
 * ``--cpu`` or no GPU: ``tp`` processes over gloo on the CPU.
 
-Each rank measures, for every point ``(op, dtype, pad_bs, bs, mode)``, every
+Each rank measures, for every point ``(op, dtype, pad_bs, bs, mode, mix)``, every
 requested backend of :class:`~ipc_dpsample.DpSamplingComm` (checked before timing
 on the real rows: bit for bit; argmax logprobs against a float64 reference within
 :func:`~ipc_dpsample.tools.common.logprob_atol`; a graph's replay too) and, in the
@@ -17,6 +17,20 @@ same run, the baselines:
 ``swap_argmax``, ``read_once`` (ops measured by every backend, with the argmax)
     The argmax's baselines: the backend's swap then ``torch.argmax`` over the
     swapped real rows, and ``torch.amax`` over the shard's real rows.
+``swap_sample_gather``, ``read_once``, ``argmax_batch_vocab`` (with the verify)
+    ``verify_batch_vocab`` (``--ops verify_batch_vocab``, one point per
+    ``--verify-mix``) against TokenSpeed's Batch-DP route with the package's
+    full-row sampler of the same semantics: the backend's swap,
+    ``ipc_dpsample.sampling.verify_rows`` over the rank's swapped rows, the backend's
+    ``gather_verify_outputs``. Both are checked against
+    ``layout.reference_verify_batch_vocab`` (predict, accept_index, accept_length bit
+    for bit) on the inputs they are timed with: fresh random logits, the mix's
+    parameters and candidates that accept 0 to N-1 drafts
+    (:mod:`ipc_dpsample.tools.verify_case`). A backend without the op (onesided and
+    nccl in this version) reports its verify points skipped, "not available", and
+    still measures the baselines; the torch backend's verify is not captured in CUDA
+    graphs (its records are computed on the host). The raw baselines below move the
+    verify's records (an all-gather of ``bs * N`` records per rank).
 ``copy``
     The copy limit: each rank copies the op's bytes per rank with one
     ``copy_`` (device-to-device on one GPU, to the next GPU peer-to-peer with
@@ -46,8 +60,9 @@ copy limit reached).
 ``--bs`` measures every op at several real batch sizes per ``pad_bs`` (bytes and
 GB/s count the real rows only); ``argmax_batch_vocab`` brings its baselines
 ``swap_argmax`` and ``read_once``, measured per backend. After each launch's rows
-come the ``bs`` scaling table (issue 13) and the argmax table (issue 14); their
-targets are judged only on GPU device time (gated eager rows, graph replays).
+come the ``bs`` scaling table (issue 13), the argmax table (issue 14) and the verify
+table (issue 24: its record bytes per row per shard, the targets); their targets are
+judged only on GPU device time (gated eager rows, graph replays).
 
 Modules: :mod:`.config` (sweep, launch plan, points, bytes), :mod:`.options` (the
 command line), :mod:`.runners` (what a rank times), :mod:`.measure` (the rank
@@ -101,7 +116,7 @@ from .output import (
     write_plot,
 )
 from .runners import swap_expected, swap_input
-from .tables import format_argmax_table, format_bs_table
+from .tables import format_argmax_table, format_bs_table, format_verify_table
 
 #: ``ipc-dpsample bench --help``: plain text (argparse prints it as is).
 DESCRIPTION = """\
@@ -110,6 +125,11 @@ backends and eager/graph modes, against the copy limit, raw NCCL and raw
 torch.distributed measured in the same run. Every point is checked before it
 is timed: bit for bit, argmax logprobs within a float32 tolerance of a float64
 reference. The results go to bench.csv, bench.json and bench.png in --out.
+
+--ops verify_batch_vocab measures the sampled verify for each --verify-mix
+against swap_batch_vocab + the package's full-row sampler + gather, read_once
+and argmax_batch_vocab, all checked against the NumPy reference. Backends
+without the op in this version (onesided, nccl) report it not available.
 
 Ranks for each tp: one process per GPU where tp <= GPUs; tp rank threads
 sharing GPU 0 where tp > GPUs (or with --gated); tp CPU processes over gloo
@@ -143,6 +163,7 @@ __all__ = [
     "format_argmax_table",
     "format_bs_table",
     "format_rows",
+    "format_verify_table",
     "make_rows",
     "op_bytes",
     "parse_bs_groups",
@@ -229,7 +250,8 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
         if not lp.reason:
             print(timing_text(cfg, lp))
             print(format_rows(launch_rows))
-            for table in (format_bs_table(launch_rows), format_argmax_table(launch_rows)):
+            tables = (format_bs_table, format_argmax_table, format_verify_table)
+            for table in (t(launch_rows) for t in tables):
                 if table:
                     print("\n" + table)
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -1,6 +1,10 @@
 """What ``ipc-dpsample bench`` measures: the sweep's names and defaults, the
 validated :class:`BenchConfig`, where each ``tp`` runs (:func:`plan_launches`,
 pure), the points and their bytes (the options live in :mod:`.options`).
+
+A point is ``(op, dtype, pad_bs, bs, mode, mix)``: ``mix`` is the per-request parameter
+mix of ``verify_batch_vocab`` and of its ``swap_sample_gather`` baseline
+(:data:`~ipc_dpsample.tools.verify_case.VERIFY_MIXES`), ``""`` for every other op.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Any
 from ...arrays import ITEMSIZE, LOGITS_DTYPES
 from ...layout import Layout
 from ..common import ARGMAX, OPS, VERIFY, Machine, ranks_share_gpu
+from ..verify_case import DEMO_MIX, VERIFY_MIXES, record_bytes
 
 __all__ = [
     "ARGMAX_BASELINES",
@@ -18,8 +23,11 @@ __all__ = [
     "BASELINES",
     "COLUMNS",
     "DEFAULT_OPS",
+    "FULL_ROW_SAMPLER",
     "LOGITS_OPS",
+    "MIX_OPS",
     "MODES",
+    "VERIFY_BASELINES",
     "BenchConfig",
     "LaunchPlan",
     "op_bytes",
@@ -29,7 +37,8 @@ __all__ = [
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "onesided", "nccl", "torch")
 #: The ops a sweep measures unless ``--ops`` names others: every op but
-#: ``verify_batch_vocab`` (not in the bench yet).
+#: ``verify_batch_vocab``, whose torch path and reference run on the host (seconds per
+#: point at the GPU shapes): it is measured when ``--ops`` names it.
 DEFAULT_OPS: tuple[str, ...] = tuple(op for op in OPS if op != VERIFY)
 BASELINES: tuple[str, ...] = ("copy", "nccl_cupy", "torch_dist")
 MODES: tuple[str, ...] = ("eager", "graph")
@@ -38,6 +47,16 @@ MODES: tuple[str, ...] = ("eager", "graph")
 #: swapped real rows (what a caller runs today); ``read_once`` is
 #: ``torch.amax(local_logits[:bs*N], dim=1)`` (reading the shard's real rows once).
 ARGMAX_BASELINES: tuple[str, ...] = ("swap_argmax", "read_once")
+#: What ``verify_batch_vocab`` brings, measured by every backend on the same logits:
+#: ``swap_sample_gather`` is TokenSpeed's Batch-DP route with the package's full-row
+#: sampler of the same semantics (the backend's swap, ``sampling.verify_rows`` over the
+#: rank's swapped rows, the backend's ``gather_verify_outputs``); ``read_once`` as for
+#: the argmax; ``argmax_batch_vocab`` itself (the greedy op, a target's reference).
+VERIFY_BASELINES: tuple[str, ...] = ("swap_sample_gather", "read_once", ARGMAX)
+#: The full-row sampler of ``swap_sample_gather`` (named in its table).
+FULL_ROW_SAMPLER = "ipc_dpsample.sampling.verify_rows (torch, on the rank's device)"
+#: Ops whose points carry a parameter mix.
+MIX_OPS: tuple[str, ...] = (VERIFY, "swap_sample_gather")
 #: Sweep defaults where GPUs exist (the spec's shapes: Qwen-class vocab, 3 drafts + 1).
 GPU_DEFAULTS: dict[str, Any] = {
     "pad_bs": (8, 64, 256),
@@ -87,6 +106,10 @@ COLUMNS: tuple[str, ...] = (
     "vs_swap_argmax",
     "vs_read_once",
     "vs_full_bs",
+    "mix",
+    "record_bytes",
+    "vs_swap_sample_gather",
+    "vs_argmax",
     "note",
 )
 
@@ -131,8 +154,10 @@ class BenchConfig:
     #: for every ``pad_bs``; passed as ``bs=`` to every op. Empty: ``bs`` is not
     #: passed (every row moves; rows carry ``bs = pad_bs``).
     bs: tuple[tuple[int, ...], ...] = ()
-    #: ``vocab_limit`` of ``argmax_batch_vocab`` (None: ``vocab``).
+    #: ``vocab_limit`` of ``argmax_batch_vocab`` and ``verify_batch_vocab`` (None: ``vocab``).
     vocab_limit: int | None = None
+    #: The parameter mixes ``verify_batch_vocab`` is measured with (one point each).
+    verify_mixes: tuple[str, ...] = (DEMO_MIX,)
 
     def bs_values(self, pad_bs: int) -> tuple[int, ...]:
         """The real batch sizes measured at ``pad_bs`` (``(pad_bs,)`` without ``--bs``)."""
@@ -146,7 +171,7 @@ class BenchConfig:
         return self.vocab if self.vocab_limit is None else self.vocab_limit
 
     def __post_init__(self) -> None:
-        for name in ("pad_bs", "dtypes", "tp", "backends", "modes", "ops"):
+        for name in ("pad_bs", "dtypes", "tp", "backends", "modes", "ops", "verify_mixes"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
         for name, values in (("pad_bs", self.pad_bs), ("tp", self.tp)):
@@ -165,8 +190,9 @@ class BenchConfig:
             ("dtypes", self.dtypes, LOGITS_DTYPES),
             ("backends", self.backends, BACKEND_CHOICES),
             ("modes", self.modes, MODES),
-            ("ops", self.ops, DEFAULT_OPS),
+            ("ops", self.ops, OPS),
             ("baselines", self.baselines, BASELINES),
+            ("verify_mixes", self.verify_mixes, VERIFY_MIXES),
         ):
             bad = [v for v in values if v not in allowed]
             if bad:
@@ -297,31 +323,45 @@ def plan_launches(cfg: BenchConfig, machine: Machine) -> list[LaunchPlan]:
     return plans
 
 
-def points(
-    cfg: BenchConfig, lp: LaunchPlan, impl: str | None = None
-) -> list[tuple[str, str, int, int, str]]:
-    """``(op, dtype, pad_bs, bs, mode)`` measured by ``impl`` of ``lp`` (every point
-    when None). The logits dtype sweeps the swap and the argmax only (the gathers
-    move int32 / float32); ``argmax_batch_vocab`` brings :data:`ARGMAX_BASELINES`
-    (measured by backends only); the raw baselines measure the three collectives.
-    ``bs`` is innermost: one CUDA graph serves every ``bs`` of its point."""
+Point = tuple[str, str, int, int, str, str]
+
+
+def points(cfg: BenchConfig, lp: LaunchPlan, impl: str | None = None) -> list[Point]:
+    """``(op, dtype, pad_bs, bs, mode, mix)`` measured by ``impl`` of ``lp`` (every
+    point when None). The logits dtype sweeps the logits ops only (the gathers move
+    int32 / float32); ``argmax_batch_vocab`` brings :data:`ARGMAX_BASELINES` and
+    ``verify_batch_vocab`` :data:`VERIFY_BASELINES` (measured by backends only; an op
+    brought twice is measured once); the raw baselines measure the collectives and
+    the verify's records (an all-gather of them). ``mix`` runs over
+    ``cfg.verify_mixes`` for :data:`MIX_OPS` and the raw baselines of the verify, else
+    is ``""``. ``bs`` is innermost: one CUDA graph serves every ``bs`` of its point."""
     ops: list[str] = []
     for op in cfg.ops:
-        ops += [op, *ARGMAX_BASELINES] if op == ARGMAX else [op]
+        ops += [op]
+        ops += list(ARGMAX_BASELINES) if op == ARGMAX else []
+        ops += list(VERIFY_BASELINES) if op == VERIFY else []
+    ops = list(dict.fromkeys(ops))
     if impl is not None and impl not in BACKEND_CHOICES:
         ops = [op for op in ops if op in OPS and op != ARGMAX]
     out = []
     for op in ops:
         dtypes = cfg.dtypes if op in LOGITS_OPS else (_gather_dtype(op),)
-        for pad_bs in lp.pad_bs:
-            for dtype in dtypes:
-                for mode in lp.modes:
-                    out += [(op, dtype, pad_bs, bs, mode) for bs in cfg.bs_values(pad_bs)]
+        for mix in cfg.verify_mixes if op in MIX_OPS else ("",):
+            for pad_bs in lp.pad_bs:
+                for dtype in dtypes:
+                    for mode in lp.modes:
+                        out += [(op, dtype, pad_bs, b, mode, mix) for b in cfg.bs_values(pad_bs)]
     return out
 
 
 #: Ops whose data is the logits (``[pad_bs*N, V/tp]`` in ``--dtype``).
-LOGITS_OPS: tuple[str, ...] = ("swap_batch_vocab", ARGMAX, *ARGMAX_BASELINES)
+LOGITS_OPS: tuple[str, ...] = (
+    "swap_batch_vocab",
+    ARGMAX,
+    *ARGMAX_BASELINES,
+    VERIFY,
+    "swap_sample_gather",
+)
 
 
 def _gather_dtype(op: str) -> str:
@@ -329,16 +369,33 @@ def _gather_dtype(op: str) -> str:
 
 
 def op_bytes(
-    op: str, dtype: str, pad_bs: int, tp: int, num_tokens: int, vocab: int, bs: int | None = None
+    op: str,
+    dtype: str,
+    pad_bs: int,
+    tp: int,
+    num_tokens: int,
+    vocab: int,
+    bs: int | None = None,
+    mix: str = "",
+    vocab_limit: int | None = None,
 ) -> int:
     """Bytes one rank moves in ``op`` with ``bs`` real requests (None: ``pad_bs``),
     what the copy baseline copies. The swap: its input rows of real requests
     (:meth:`~ipc_dpsample.layout.Layout.swap_bytes_per_rank`, = what it receives
     when ``bs = pad_bs``); the argmax, ``read_once`` and ``swap_argmax``: the same
     logits bytes (the shard's real rows, read once or sent); a gather: the ``bs``
-    real rows it receives."""
+    real rows it receives; ``verify_batch_vocab``: the records of the real rows it
+    holds after the all-gather, ``tp * bs * N *`` :func:`~ipc_dpsample.tools.
+    verify_case.record_bytes` of ``mix`` (its own included, as for a gather; a probe
+    round is not counted); ``swap_sample_gather``: the swap's bytes plus the gather's."""
     layout = Layout(tp, pad_bs, num_tokens, vocab)
     reqs = pad_bs if bs is None else min(max(bs, 0), pad_bs)
+    if op == VERIFY:
+        rec = record_bytes(mix, pad_bs, num_tokens, vocab, bs=reqs, vocab_limit=vocab_limit)
+        return tp * reqs * num_tokens * rec
+    if op == "swap_sample_gather":
+        swap = layout.swap_bytes_per_rank(pad_bs, ITEMSIZE[dtype], reqs)
+        return swap + reqs * (2 * num_tokens + 1) * 4
     if op in LOGITS_OPS:
         return layout.swap_bytes_per_rank(pad_bs, ITEMSIZE[dtype], reqs)
     if op == "gather_verify_outputs":

@@ -1,6 +1,7 @@
 """The rank body of ``ipc-dpsample bench``: for every impl and point, set up,
 verify, warm up, build (eager call or CUDA graph) and time, with every rank
-agreeing on each step's outcome so that all take the same branch.
+agreeing on each step's outcome (ok, skipped or failed) so that all take the same
+branch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from ..common import GATE_CYCLES, Gate, rank_device, stream_scope, time_gated
 from .config import BenchConfig, LaunchPlan, points
-from .runners import Prepared, RankCtx, Runner, make_runner
+from .runners import PointSkipped, Prepared, RankCtx, Runner, make_runner
 
 __all__ = ["GATE_CYCLES", "Gate", "bench_point", "bench_rank"]
 
@@ -159,7 +160,7 @@ def bench_rank(
     Returns
     -------
     dict
-        ``samples``: ``{(impl, op, dtype, pad_bs, bs, mode): [seconds]}``; ``info``:
+        ``samples``: ``{(impl, op, dtype, pad_bs, bs, mode, mix): [seconds]}``; ``info``:
         per key ``status`` (``ok``, ``failed`` or ``skipped``), ``note``,
         ``verified`` (True/False, None for baselines), ``resolved`` (the backend
         that ran) and ``bs_arg`` (``host``, ``device`` or ``none``).
@@ -217,10 +218,11 @@ def _bench_impl(
     assert runner is not None
     broken_modes: dict[str, str] = {}
     try:
-        for op, dtype, pad_bs, bs, mode in pts:
-            key = (impl, op, dtype, pad_bs, bs, mode)
+        for op, dtype, pad_bs, bs, mode, mix in pts:
+            key = (impl, op, dtype, pad_bs, bs, mode, mix)
             if bar is not None:
-                bar.set_postfix_str(f"{impl} {op} {dtype} pad_bs={pad_bs} bs={bs} {mode}")
+                what = f"{impl} {op}{f' [{mix}]' if mix else ''} {dtype} pad_bs={pad_bs} bs={bs}"
+                bar.set_postfix_str(f"{what} {mode}")
             if mode in broken_modes:
                 info[key] = _info("failed", broken_modes[mode], None, runner.resolved)
                 if bar is not None:
@@ -248,14 +250,16 @@ def bench_point(
     """Measure one point: set up (prepare, check an eager call, warm up), build
     (eager call or captured graph, whose replay is checked too), time. Each step
     ends with an agreement of all ranks, so every rank takes the same branch even
-    when one fails.
+    when one fails. A runner's :class:`~.runners.PointSkipped` (raised by ``prepare``)
+    skips the point on every rank, unless a rank failed.
 
     Returns
     -------
     (status, note, verified, failed step, bs_arg)
-        ``status`` is ``ok`` or ``failed``; ``verified`` None when not checked.
+        ``status`` is ``ok``, ``skipped`` or ``failed``; ``verified`` None when not
+        checked.
     """
-    _impl, op, dtype, pad_bs, bs, mode = key
+    _impl, op, dtype, pad_bs, bs, mode, mix = key
     cfg = ctx.cfg
     verified: bool | None = None
     note = ""
@@ -263,10 +267,10 @@ def bench_point(
     body: Callable[[], Any] = _noop
     calls = 1
     for step in ("setup", mode, "timing"):
-        error = ""
+        error = skip = ""
         try:
             if step == "setup":
-                prep = runner.prepare(op, dtype, pad_bs, bs, mode)
+                prep = runner.prepare(op, dtype, pad_bs, bs, mode, mix)
                 ctx.quiesce("inputs prepared")
                 if prep.check is not None and cfg.verify:
                     diff = _verify(ctx, prep, prep.fn)
@@ -288,13 +292,19 @@ def bench_point(
                     diff = _verify(ctx, prep, body, last)  # the replay, at this bs
                     verified = bool(verified) and not diff
                     note = note or (f"WRONG RESULT after graph replay: {diff}" if diff else "")
+        except PointSkipped as exc:
+            skip = str(exc).splitlines()[0]
+            ctx.keep = None
         except Exception as exc:
             error = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0]
             ctx.keep = None
             _recover(ctx)
-        if not ctx.agree(not error, f"{key} {step}"):
+        outcome = ctx.outcome(2 if error else 1 if skip else 0, f"{key} {step}")
+        if outcome == 2:
             ctx.keep = None
             return "failed", error or f"{step} failed on another rank", verified, step, prep.bs_arg
+        if outcome == 1:
+            return "skipped", skip or "skipped on another rank", None, step, prep.bs_arg
     return "ok", note, verified, "", prep.bs_arg
 
 

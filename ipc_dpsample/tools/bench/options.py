@@ -9,7 +9,8 @@ import datetime
 from collections.abc import Callable, Sequence
 
 from ...arrays import LOGITS_DTYPES, normalize_dtype
-from ..common import ARGMAX
+from ..common import ARGMAX, OPS, VERIFY
+from ..verify_case import DEMO_MIX, TARGET_MIXES, VERIFY_MIXES
 from .config import (
     BACKEND_CHOICES,
     BASELINES,
@@ -124,12 +125,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ops",
-        type=choice_list(DEFAULT_OPS),
+        type=choice_list(OPS),
         default=DEFAULT_OPS,
-        help=f"ops to measure, from {{{','.join(DEFAULT_OPS)}}} (default: all; {ARGMAX} also "
-        "measures its baselines on each backend: swap_argmax = swap_batch_vocab then "
-        "torch.argmax over the swapped real rows, read_once = torch.amax over the shard's "
-        "real rows)",
+        help=f"ops to measure, from {{{','.join(OPS)}}} (default: all but {VERIFY}, whose "
+        f"torch path and reference run on the host; {ARGMAX} also measures its baselines on "
+        "each backend: swap_argmax = swap_batch_vocab then torch.argmax over the swapped "
+        "real rows, read_once = torch.amax over the shard's real rows; "
+        f"{VERIFY} measures swap_sample_gather = swap_batch_vocab, the package's full-row "
+        "sampler (ipc_dpsample.sampling.verify_rows) over the rank's rows, then "
+        f"gather_verify_outputs, and read_once and {ARGMAX} at the same points)",
+    )
+    p.add_argument(
+        "--verify-mix",
+        type=choice_list(VERIFY_MIXES),
+        default=(DEMO_MIX,),
+        help=f"per-request parameter mixes of {VERIFY}, comma-separated from "
+        f"{{{','.join(VERIFY_MIXES)}}}, each its own point: temperature = T in 0.6..1.0 per "
+        "request, topk50 = top-k 50, topk50-topp0.9 = with top-p 0.9, minp = min-p 0.05, "
+        "topp0.9 = top-p without top-k, mixed = half greedy and half T=0.8 with top-k 50 "
+        f"and top-p 0.9 (default {DEMO_MIX}; issue 24's GPU targets are set for "
+        f"{','.join(TARGET_MIXES)})",
     )
     p.add_argument("--iters", type=int, default=50, help="timed samples per point (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per point (default 10)")
@@ -178,7 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--vocab-limit",
         type=int,
         default=None,
-        help="vocab_limit of argmax_batch_vocab: columns >= it never win (default: --vocab)",
+        help="vocab_limit of argmax_batch_vocab and verify_batch_vocab: columns >= it never "
+        "win (default: --vocab)",
     )
 
 
@@ -214,4 +230,5 @@ def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfi
         ungated=bool(ns.ungated),
         bs=tuple(ns.bs or ()),
         vocab_limit=ns.vocab_limit,
+        verify_mixes=tuple(ns.verify_mix),
     )

@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from ..common import ARGMAX, OPS, ranks_share_gpu
+from ..common import ARGMAX, OPS, VERIFY, ranks_share_gpu
+from ..verify_case import record_bytes
 from .config import (
     ARGMAX_BASELINES,
     BASELINES,
     COLUMNS,
+    VERIFY_BASELINES,
     BenchConfig,
     LaunchPlan,
     op_bytes,
@@ -92,14 +94,22 @@ def make_rows(
     skip_reason = dict(lp.skipped)
     for impl in impls:
         kind = "baseline" if impl in BASELINES else "backend"
-        for op, dtype, pad_bs, bs, mode in points(cfg, lp, impl):
+        for op, dtype, pad_bs, bs, mode, mix in points(cfg, lp, impl):
             row: dict[str, Any] = dict.fromkeys(COLUMNS)
             row.update(base)
             row.update(op=op, dtype=dtype, pad_bs=pad_bs, bs=bs, mode=mode, impl=impl, kind=kind)
-            if op in (ARGMAX, "swap_argmax"):
+            if op in (ARGMAX, "swap_argmax", VERIFY, "swap_sample_gather"):
                 row["vocab_limit"] = cfg.limit
-            row["bytes"] = op_bytes(op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs)
-            key = (impl, op, dtype, pad_bs, bs, mode)
+            if mix:
+                row["mix"] = mix
+            if op == VERIFY:
+                row["record_bytes"] = record_bytes(
+                    mix, pad_bs, cfg.num_tokens, cfg.vocab, bs=bs, vocab_limit=cfg.vocab_limit
+                )
+            row["bytes"] = op_bytes(
+                op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit
+            )
+            key = (impl, op, dtype, pad_bs, bs, mode, mix)
             if lp.reason or impl in skip_reason or rank_results is None:
                 row.update(status="skipped", note=lp.reason or skip_reason.get(impl, ""))
                 rows.append(row)
@@ -173,10 +183,12 @@ def timing_text(cfg: BenchConfig, lp: LaunchPlan) -> str:
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Fill, for measured rows: ``vs_<baseline>`` = baseline median / row median for
-    rows of the same ``(tp, launch, op, dtype, pad_bs, bs, mode)``; for the argmax,
-    ``vs_swap_argmax`` and ``vs_read_once`` = that op's median (same impl) / the
-    argmax's (above 1: the argmax is faster); ``vs_full_bs`` = row median / the
-    median of the same row at ``bs = pad_bs`` (the fraction of the full batch's time)."""
+    rows of the same ``(tp, launch, op, dtype, pad_bs, bs, mode, mix)``; for the
+    argmax, ``vs_swap_argmax`` and ``vs_read_once`` = that op's median (same impl) /
+    the argmax's (above 1: the argmax is faster); for the verify,
+    ``vs_swap_sample_gather`` (same mix), ``vs_read_once`` and ``vs_argmax`` likewise;
+    ``vs_full_bs`` = row median / the median of the same row at ``bs = pad_bs`` (the
+    fraction of the full batch's time)."""
     medians: dict[tuple[Any, ...], float] = {}
     for r in rows:
         if r["status"] == "ok" and r["median_us"]:
@@ -192,12 +204,21 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             for helper in ARGMAX_BASELINES:
                 m = medians.get((*_point(r, op=helper), r["impl"]))
                 r[f"vs_{helper}"] = round(m / me, 4) if m else None
+        if r["op"] == VERIFY:
+            for helper in VERIFY_BASELINES:
+                mix = r.get("mix") if helper == "swap_sample_gather" else ""
+                m = medians.get((*_point(r, op=helper, mix=mix), r["impl"]))
+                column = "vs_argmax" if helper == ARGMAX else f"vs_{helper}"
+                r[column] = round(m / me, 4) if m else None
         full = medians.get((*_point(r, bs=r["pad_bs"]), r["impl"]))
         r["vs_full_bs"] = round(me / full, 4) if full else None
 
 
 def _point(r: Mapping[str, Any], **change: Any) -> tuple[Any, ...]:
-    p = {k: r[k] for k in ("tp", "launch", "op", "dtype", "pad_bs", "bs", "mode")} | change
+    p = {k: r[k] for k in ("tp", "launch", "op", "dtype", "pad_bs", "bs", "mode")}
+    p["mix"] = r.get("mix") or ""
+    p |= change
+    p["mix"] = p["mix"] or ""
     return tuple(p.values())
 
 
@@ -280,7 +301,8 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
     from matplotlib.ticker import NullFormatter
 
     ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us")]
-    ops = [op for op in (*OPS, *ARGMAX_BASELINES) if any(r["op"] == op for r in ok)]
+    helpers = dict.fromkeys((*ARGMAX_BASELINES, *VERIFY_BASELINES))
+    ops = [op for op in dict.fromkeys((*OPS, *helpers)) if any(r["op"] == op for r in ok)]
     ops = ops or ["no data"]
     tps = sorted({(int(r["tp"]), str(r["launch"])) for r in ok}) or [(0, "")]
     fig = Figure(figsize=(5.2 * len(tps), 3.9 * len(ops)), dpi=100)
@@ -292,7 +314,8 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
             series: dict[tuple[str, str, str], list[tuple[float, float, str]]] = {}
             for r in ok:
                 if r["op"] == op and int(r["tp"]) == tp and r["launch"] == launch:
-                    key = (str(r["impl"]), str(r["mode"]), str(r["dtype"]))
+                    mix = f" {r['mix']}" if r.get("mix") else ""  # a line per mix
+                    key = (str(r["impl"]), str(r["mode"]) + mix, str(r["dtype"]))
                     pad, bs = int(r["pad_bs"]), r.get("bs")
                     label = f"pad_bs={pad}" if bs in (None, pad) else f"bs={bs}/{pad}"
                     point = (float(r["bytes"]), float(r["median_us"]), label)
@@ -304,7 +327,7 @@ def write_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) 
                     [p[0] for p in pts],
                     [p[1] for p in pts],
                     color=_IMPL_COLORS.get(impl, "black"),
-                    marker="o" if mode == "eager" else "s",
+                    marker="o" if mode.startswith("eager") else "s",
                     markersize=4,
                     linestyle=_DTYPE_STYLES[dtypes.index(dtype) % len(_DTYPE_STYLES)],
                     linewidth=1.0 if impl in BASELINES else 1.8,
@@ -346,6 +369,11 @@ def _fmt(v: Any, spec: str = "") -> str:
     return format(v, spec) if spec else str(v)
 
 
+def _op_label(r: Mapping[str, Any]) -> str:
+    """The op, with the parameter mix of a verify point: ``verify_batch_vocab[topk50]``."""
+    return f"{r['op']}[{r['mix']}]" if r.get("mix") else str(r["op"])
+
+
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     """A text table of measured rows (skipped ones summarised per impl)."""
     head = ("op", "dtype", "pad_bs", "bs", "mode", "impl", "median_us", "p10_us", "p90_us")
@@ -356,7 +384,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
             continue
         if r["status"] != "ok":
             table.append(
-                (r["op"], r["dtype"], str(r["pad_bs"]), str(r["bs"]), r["mode"], r["impl"])
+                (_op_label(r), r["dtype"], str(r["pad_bs"]), str(r["bs"]), r["mode"], r["impl"])
                 + ("FAILED",)
                 + ("",) * 7
                 + (r["note"][:60] if r["note"] else "",)
@@ -364,7 +392,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
             continue
         table.append(
             (
-                r["op"],
+                _op_label(r),
                 r["dtype"],
                 str(r["pad_bs"]),
                 str(r["bs"]) + ("*" if r.get("bs_arg") == "device" else ""),
@@ -383,11 +411,11 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
         )
     widths = [max(len(str(t[i])) for t in table) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(t, widths, strict=True)) for t in table]
-    skipped: dict[str, str] = {}
+    skipped: dict[tuple[str, str], None] = {}
     for r in rows:
         if r["status"] == "skipped":
-            skipped.setdefault(r["impl"], r["note"] or "")
-    lines += [f"  skipped {impl}: {why}" for impl, why in skipped.items()]
+            skipped.setdefault((r["impl"], r["note"] or ""), None)
+    lines += [f"  skipped {impl}: {why}" for impl, why in skipped]
     if any(r.get("bs_arg") == "device" for r in rows):
         lines.append("  bs*: passed as a device int32 tensor (one CUDA graph serves every bs)")
     return "\n".join(line.rstrip() for line in lines)

@@ -2,26 +2,44 @@
 :class:`~ipc_dpsample.DpSamplingComm`) and per baseline (the copy limit, raw
 torch.distributed, raw NCCL through CuPy), with the seeded data and bit-exact
 checks they use, and the per-rank context they share (:class:`RankCtx`).
+
+A point a runner cannot measure raises :class:`PointSkipped` from ``prepare`` (it is
+reported skipped with the reason, not failed): ``verify_batch_vocab`` on a backend
+without it (:class:`~ipc_dpsample.errors.BackendUnavailableError`), or CUDA-graph
+points of its host path.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ...errors import BackendUnavailableError
 from ...layout import real_reqs
-from ..common import OPS, logprobs_close
-from .config import BACKEND_CHOICES, LOGITS_OPS, BenchConfig, LaunchPlan, op_bytes
+from ..common import OPS, VERIFY, logprobs_close, to_numpy
+from ..verify_case import VERIFY_MIXES, VerifyCase, make_verify_case
+from .config import (
+    BACKEND_CHOICES,
+    FULL_ROW_SAMPLER,
+    LOGITS_OPS,
+    BenchConfig,
+    LaunchPlan,
+    op_bytes,
+)
 
 __all__ = [
+    "FULL_ROW_SAMPLER",
     "CommRunner",
+    "PointSkipped",
     "Prepared",
     "RankCtx",
     "Runner",
     "argmax_expected",
+    "bench_verify_case",
     "close_logprobs",
     "make_runner",
     "rand_block",
@@ -29,6 +47,11 @@ __all__ = [
     "swap_expected",
     "swap_input",
 ]
+
+
+class PointSkipped(Exception):
+    """A point this runner cannot measure; the message says why (reported skipped)."""
+
 
 # -- data ---------------------------------------------------------------------------
 _TORCH_NAMES = {"bfloat16", "float16", "float32", "int32"}
@@ -122,6 +145,41 @@ def argmax_expected(full: Any, limit: int) -> tuple[Any, Any]:
     return ids.to(torch.int32), lps
 
 
+_CASES: dict[tuple[Any, ...], VerifyCase] = {}
+_CASES_LOCK = threading.Lock()
+
+
+def bench_verify_case(ctx: RankCtx, dtype: str, pad_bs: int, mix: str) -> VerifyCase:
+    """``verify_batch_vocab``'s case at a point: every rank's :func:`swap_input`
+    (made on this rank's device, copied to the host), parameters of ``mix``,
+    candidates and the NumPy reference's outputs (:func:`~ipc_dpsample.tools.
+    verify_case.make_verify_case`). The same on every rank; built once per process
+    and point data (rank threads share it: the first builds it, the others wait), for
+    every backend, mode and ``bs`` of the point (the outputs of real requests do not
+    depend on ``bs``)."""
+    cfg, tp = ctx.cfg, ctx.lp.tp
+    n, v, seed = cfg.num_tokens, cfg.vocab, cfg.seed
+    key = (seed, tp, pad_bs, n, v, dtype, mix, cfg.vocab_limit, str(ctx.device))
+    with _CASES_LOCK:
+        case = _CASES.get(key)
+        if case is None:
+            inputs = [
+                to_numpy(swap_input(seed, s, tp, pad_bs, n, v, dtype, ctx.device))
+                for s in range(tp)
+            ]
+            rng = np.random.default_rng([seed, 4, pad_bs, VERIFY_MIXES.index(mix)])
+            case = _CASES[key] = make_verify_case(
+                inputs,
+                tp=tp,
+                pad_bs=pad_bs,
+                dtype=dtype,
+                mix=mix,
+                rng=rng,
+                vocab_limit=cfg.vocab_limit,
+            )
+        return case
+
+
 # -- rank body ----------------------------------------------------------------------
 @dataclass
 class Prepared:
@@ -147,12 +205,15 @@ class Prepared:
 
 
 class Runner:
-    """One backend or baseline on one rank: ``prepare(op, dtype, pad_bs, bs, mode)``
-    returns the call to time and an optional check (:class:`Prepared`)."""
+    """One backend or baseline on one rank: ``prepare(op, dtype, pad_bs, bs, mode,
+    mix)`` returns the call to time and an optional check (:class:`Prepared`), or
+    raises :class:`PointSkipped`."""
 
     resolved: str | None = None
 
-    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+    def prepare(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str = ""
+    ) -> Prepared:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -162,8 +223,9 @@ class Runner:
 class CommRunner(Runner):
     """The package's ops on one communicator per logits dtype (a communicator's dtype
     is fixed once; every rank asks for the dtypes in the same order, so the lazily
-    built communicators are built collectively), and the argmax's baselines
-    (:data:`~.config.ARGMAX_BASELINES`) on the same data.
+    built communicators are built collectively), and the baselines of the argmax
+    (:data:`~.config.ARGMAX_BASELINES`) and of the verify
+    (:data:`~.config.VERIFY_BASELINES`) on the same data.
 
     ``bs`` reaches the ops as a host int, except at CUDA-graph points of the
     package's ops with ``--bs``: a device int32 scalar written before the replay,
@@ -177,6 +239,9 @@ class CommRunner(Runner):
         self.comm = self._comm(None)
         self.resolved = self.comm.backend
         self._data: dict[tuple[Any, ...], Any] = {}
+        self._verify_data: dict[tuple[Any, ...], Any] = {}
+        #: Per logits dtype: "" when its communicator runs verify_batch_vocab, else why not.
+        self._verify_missing: dict[str, str] = {}
         self._bs_dev: Any = None
 
     def _comm(self, dtype: str | None) -> Any:
@@ -217,30 +282,40 @@ class CommRunner(Runner):
         self._bs_dev.fill_(bs)  # on the rank's stream, before any replay
         return {"bs": self._bs_dev}, "device"
 
-    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+    def prepare(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str = ""
+    ) -> Prepared:
         kw, how = self._bs_kw(op, bs, mode)
-        key = (op, dtype, pad_bs) if how == "device" else None
-        if op in LOGITS_OPS:
+        key = (op, dtype, pad_bs, mix) if how == "device" else None
+        if op in (VERIFY, "swap_sample_gather"):
+            fn, check = self._verify_op(op, dtype, pad_bs, bs, mode, mix, kw)
+        elif op in LOGITS_OPS:
             fn, check = self._logits_op(op, dtype, pad_bs, bs, kw)
         else:
             fn, check = self._gather_op(op, pad_bs, bs, kw)
         return Prepared(fn, check, key, how)
 
-    def _logits_op(
-        self, op: str, dtype: str, pad_bs: int, bs: int, kw: dict[str, Any]
-    ) -> tuple[Callable[[], Any], Callable[[Any], str] | None]:
-        import torch
-
+    def _logits(self, dtype: str, pad_bs: int) -> tuple[Any, Any]:
+        """This rank's ``local_logits`` at a point and its expected swap output."""
         cfg, r, tp, dev = self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp, self.ctx.device
-        n, s, limit = cfg.num_tokens, cfg.seed, cfg.limit
-        c = self._comm(dtype)
-        x, exp = self._cached(
+        n, s = cfg.num_tokens, cfg.seed
+        return self._cached(
             (dtype, pad_bs),
             lambda: (
                 swap_input(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev),
                 swap_expected(s, r, tp, pad_bs, n, cfg.vocab, dtype, dev),
             ),
         )
+
+    def _logits_op(
+        self, op: str, dtype: str, pad_bs: int, bs: int, kw: dict[str, Any]
+    ) -> tuple[Callable[[], Any], Callable[[Any], str] | None]:
+        import torch
+
+        cfg, r, tp = self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp
+        n, limit = cfg.num_tokens, cfg.limit
+        c = self._comm(dtype)
+        x, exp = self._logits(dtype, pad_bs)
         real = real_reqs(pad_bs // tp, bs, r) * n  # rows of this rank's real requests
         if op == "read_once":
             shard = x[: bs * n]
@@ -269,6 +344,106 @@ class CommRunner(Runner):
             return f"token ids: {bad}" if bad else close_logprobs(got[1][:real], lps, limit)
 
         return argmax, check_argmax
+
+    def _verify_tensors(self, dtype: str, pad_bs: int, mix: str) -> dict[str, Any]:
+        """The case of a point (:func:`bench_verify_case`) as tensors on this rank's
+        device: ``candidates``, ``params`` (keywords of the op; None = off) and
+        ``expected`` (predict, accept_index, accept_length of the whole batch)."""
+        import torch
+
+        def make() -> dict[str, Any]:
+            case = bench_verify_case(self.ctx, dtype, pad_bs, mix)
+            dev = self.ctx.device
+            return {
+                "candidates": torch.from_numpy(case.candidates).to(dev),
+                "params": {
+                    k: None if v is None else torch.from_numpy(v).to(dev)
+                    for k, v in case.params.items()
+                },
+                "expected": [torch.from_numpy(e).to(dev) for e in case.expected],
+            }
+
+        key = (dtype, pad_bs, mix)
+        if key not in self._verify_data:
+            self._verify_data = {key: make()}
+        return self._verify_data[key]
+
+    def _verify_op(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str, kw: dict[str, Any]
+    ) -> tuple[Callable[[], Any], Callable[[Any], str]]:
+        """``verify_batch_vocab`` at a point, or its ``swap_sample_gather`` baseline;
+        both checked bit for bit against the reference on the real requests."""
+        cfg, r, tp = self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp
+        c = self._comm(dtype)
+        if op == VERIFY and mode == "graph" and c.explain().split(":")[0] == "torch":
+            raise PointSkipped(
+                f"{VERIFY} of the torch backend runs its records on the host (NumPy): "
+                "not capturable in a CUDA graph"
+            )
+        x, exp = self._logits(dtype, pad_bs)
+        t = self._verify_tensors(dtype, pad_bs, mix)
+        cand, params, expected = t["candidates"], t["params"], t["expected"]
+
+        def check(got: Any) -> str:
+            names = ("predict", "accept_index", "accept_length")
+            return "; ".join(
+                f"{name}: {diff}"
+                for name, g, e in zip(names, got, expected, strict=True)
+                if (diff := same_bits(g[:bs], e[:bs]))
+            )
+
+        if op == VERIFY:
+            missing = self._verify_unavailable(c, dtype, x, cand, pad_bs, params)
+            if missing:
+                raise PointSkipped(missing)
+
+            def verify() -> Any:
+                return c.verify_batch_vocab(
+                    x, cand, pad_bs=pad_bs, **params, vocab_limit=cfg.vocab_limit, **kw
+                )
+
+            return verify, check
+        from ...sampling import plan_rows, row_params, verify_rows
+
+        rq = pad_bs // tp
+        mine = slice(r * rq, (r + 1) * rq)
+        my_cand = cand[mine]
+        my_params = {k: None if v is None else v[mine] for k, v in params.items()}
+        real = real_reqs(rq, bs, r)
+        rows = row_params(
+            num_tokens_per_req=cfg.num_tokens, vocab_limit=cfg.limit, bs=real, **my_params
+        )
+        plan = plan_rows(rows.top_k, rows.top_p, rows.greedy)  # no host sync when timed
+        sample = {"reqs_per_rank": rq, "vocab_limit": cfg.limit, "bs": real, "plan": plan}
+        # load the sampler's kernels now, locally: loaded lazily behind a spinning swap
+        # they would stall the device until the timeout
+        verify_rows(exp, my_cand, **my_params, **sample, check=False)
+
+        def swap_sample_gather() -> Any:
+            y = c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)
+            out = verify_rows(y, my_cand, **my_params, **sample, check=False)
+            return c.gather_verify_outputs(*out, pad_bs=pad_bs, **kw)
+
+        return swap_sample_gather, check
+
+    def _verify_unavailable(
+        self, c: Any, dtype: str, x: Any, cand: Any, pad_bs: int, params: dict[str, Any]
+    ) -> str:
+        """``""`` when the communicator of ``dtype`` runs ``verify_batch_vocab``, else
+        why not. Asked once per communicator with one call (a backend without the op
+        raises before anything moves; the others run it, on every rank alike)."""
+        if dtype not in self._verify_missing:
+            why = ""
+            try:
+                c.verify_batch_vocab(
+                    x, cand, pad_bs=pad_bs, **params, vocab_limit=self.ctx.cfg.vocab_limit
+                )
+            except BackendUnavailableError as exc:
+                text = str(exc).split(". ")[0]
+                detail = text.split("here: ", 1)[1] if "here: " in text else text
+                why = f"{VERIFY} not available on {c.backend} in this version ({detail})"
+            self._verify_missing[dtype] = why
+        return self._verify_missing[dtype]
 
     def _gather_op(
         self, op: str, pad_bs: int, bs: int, kw: dict[str, Any]
@@ -310,6 +485,7 @@ class CommRunner(Runner):
 
     def close(self) -> None:
         self._data = {}
+        self._verify_data = {}
         for comm in self.comms.values():
             comm.close()
 
@@ -330,11 +506,16 @@ class _CopyRunner(Runner):
             self.dst_device = dev
             self.resolved = "memcpy" if ctx.lp.device == "cpu" else "device copy"
 
-    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+    def prepare(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str = ""
+    ) -> Prepared:
         import torch
 
         cfg = self.ctx.cfg
-        nbytes = op_bytes(op, dtype, pad_bs, self.ctx.lp.tp, cfg.num_tokens, cfg.vocab, bs)
+        tp = self.ctx.lp.tp
+        nbytes = op_bytes(
+            op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit
+        )
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.ctx.device)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=self.dst_device)
 
@@ -355,7 +536,9 @@ class _TorchDistRunner(Runner):
         self.ctx = ctx
         self.dist = dist
 
-    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+    def prepare(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str = ""
+    ) -> Prepared:
         import torch
 
         dist, cfg, tp, dev = self.dist, self.ctx.cfg, self.ctx.lp.tp, self.ctx.device
@@ -364,7 +547,7 @@ class _TorchDistRunner(Runner):
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             return Prepared(lambda: dist.all_to_all_single(dst, src))
-        words = _gather_bytes(op, tp, cfg.num_tokens, bs) // 4
+        words = _gather_bytes(op, dtype, pad_bs, tp, cfg, bs, mix) // 4
         src = torch.randint(1, 1000, (words,), dtype=torch.int32, device=dev)
         dst = torch.empty(tp * words, dtype=torch.int32, device=dev)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -400,7 +583,9 @@ class _NcclCupyRunner(Runner):
                 )
         self.u8 = int(getattr(nccl, "NCCL_UINT8", 1))
 
-    def prepare(self, op: str, dtype: str, pad_bs: int, bs: int, mode: str) -> Prepared:
+    def prepare(
+        self, op: str, dtype: str, pad_bs: int, bs: int, mode: str, mix: str = ""
+    ) -> Prepared:
         import torch
 
         nccl, comm, u8 = self.nccl, self.comm, self.u8
@@ -426,7 +611,7 @@ class _NcclCupyRunner(Runner):
                 nccl.groupEnd()
 
             return Prepared(all_to_all)
-        nbytes = _gather_bytes(op, tp, cfg.num_tokens, bs)
+        nbytes = _gather_bytes(op, dtype, pad_bs, tp, cfg, bs, mix)
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         dst = torch.empty(tp * nbytes, dtype=torch.uint8, device=dev)
         self._alive = (src, dst)
@@ -446,8 +631,15 @@ def _split_bytes(op: str, dtype: str, pad_bs: int, tp: int, cfg: BenchConfig, bs
     return op_bytes(op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab, bs) // tp * tp
 
 
-def _gather_bytes(op: str, tp: int, n: int, bs: int) -> int:
-    """Bytes each rank contributes to a raw all-gather of ``bs`` real rows."""
+def _gather_bytes(
+    op: str, dtype: str, pad_bs: int, tp: int, cfg: BenchConfig, bs: int, mix: str
+) -> int:
+    """Bytes each rank contributes to a raw all-gather of ``bs`` real rows (the
+    verify: its records of every real row, ``op_bytes / tp``)."""
+    if op == VERIFY:
+        total = op_bytes(op, dtype, pad_bs, tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit)
+        return total // tp
+    n = cfg.num_tokens
     rows = -(-bs // tp)
     return 4 * rows * (2 * n + 1 if op == "gather_verify_outputs" else n)
 
@@ -493,6 +685,11 @@ class RankCtx:
             b"\1" if ok else b"\0", timeout_s=self.cfg.timeout_s, what=what
         )
         return all(f == b"\1" for f in flags)
+
+    def outcome(self, code: int, what: str) -> int:
+        """The worst of every rank's ``code`` (0 ok, 1 skipped, 2 failed)."""
+        codes = self.host.all_gather_bytes(bytes([code]), timeout_s=self.cfg.timeout_s, what=what)
+        return max(c[0] for c in codes)
 
 
 def make_runner(ctx: RankCtx, impl: str) -> Runner:

@@ -5,7 +5,11 @@
   time at ``bs = pad_bs``, eager and graph side by side, against the targets;
 * :func:`format_argmax_table` (issue 14): ``argmax_batch_vocab`` against its two
   baselines from the same run, ``swap_argmax`` (swap, then ``torch.argmax``) and
-  ``read_once`` (``torch.amax`` over the shard's real rows), against the targets.
+  ``read_once`` (``torch.amax`` over the shard's real rows), against the targets;
+* :func:`format_verify_table` (issue 24): ``verify_batch_vocab`` per parameter mix
+  against ``swap_sample_gather`` (swap, the package's full-row sampler, gather),
+  ``read_once`` and ``argmax_batch_vocab`` from the same run, with the record bytes
+  per row per shard, against the targets (:data:`VERIFY_TARGETS`).
 
 The targets were set for, and measured as, device time on a GPU: ranks released
 together behind the gate (gated eager) or CUDA-graph replays (BENCHMARKS.md: tp=8
@@ -20,14 +24,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..common import ARGMAX, OPS
+from ...arrays import ITEMSIZE
+from ..common import ARGMAX, OPS, VERIFY
+from ..verify_case import TARGET_MIXES, mix_text
+from .config import FULL_ROW_SAMPLER
 
 __all__ = [
     "ARGMAX_TARGETS",
     "BS_TARGETS",
+    "VERIFY_TARGETS",
     "bs_target",
     "format_argmax_table",
     "format_bs_table",
+    "format_verify_table",
     "target_reason",
 ]
 
@@ -37,6 +46,18 @@ BS_TARGETS: dict[float, float] = {130 / 256: 0.56, 8 / 256: 0.08}
 #: Issue 14: the argmax at least this many times faster than swap + argmax, and at
 #: most this many times the read-once time.
 ARGMAX_TARGETS: dict[str, float] = {"vs_swap_argmax": 2.3, "over_read_once": 1.3}
+#: Issue 24, for the mixes of :data:`~ipc_dpsample.tools.verify_case.TARGET_MIXES`
+#: (temperature only, top-k 50, top-k 50 + top-p 0.9): the verify at least this many
+#: times faster than swap + sampler + gather, at most this many times the read-once
+#: time, and at ``pad_bs = 8`` replayed in a CUDA graph at most this many times the
+#: argmax's time.
+VERIFY_TARGETS: dict[str, float] = {
+    "vs_swap_sample_gather": 2.5,
+    "over_read_once": 1.5,
+    "over_argmax": 1.5,
+}
+#: The ``pad_bs`` of the ``over_argmax`` target (graph replays only).
+VERIFY_ARGMAX_PAD_BS = 8
 
 
 def target_reason(row: Mapping[str, Any]) -> str:
@@ -93,7 +114,8 @@ def format_bs_table(rows: Sequence[Mapping[str, Any]]) -> str:
     ok = [r for r in _ok(rows) if r["op"] in OPS]
     groups: dict[tuple[Any, ...], dict[tuple[int, str], Mapping[str, Any]]] = {}
     for r in ok:
-        g = groups.setdefault((r["op"], r["impl"], r["dtype"], r["pad_bs"]), {})
+        op = f"{r['op']}[{r['mix']}]" if r.get("mix") else r["op"]
+        g = groups.setdefault((op, r["impl"], r["dtype"], r["pad_bs"]), {})
         g[(int(r["bs"]), str(r["mode"]))] = r
     groups = {k: g for k, g in groups.items() if len({bs for bs, _ in g}) > 1}
     if not groups:
@@ -195,3 +217,123 @@ def format_argmax_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if judged:
         intro += " (issue 14: >= 2.3x faster than swap+argmax, <= 1.3x read-once)"
     return "\n".join([intro, *_render(table), *_footnote(reasons)])
+
+
+def format_verify_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``verify_batch_vocab`` against its baselines of the same impl and point, one
+    line per (impl, dtype, pad_bs, bs, mode, mix) where the verify or its baseline was
+    measured ("" when neither was): the medians of the verify, ``swap_sample_gather``,
+    ``read_once`` and ``argmax_batch_vocab``, the ratios, the bytes per row per shard
+    of the verify's record and of the swap, and the targets where they apply (the
+    mixes of :data:`~ipc_dpsample.tools.verify_case.TARGET_MIXES`, device time on a
+    GPU: :func:`target_reason`; ``n/a`` and a footnote elsewhere, no targets column
+    when they apply nowhere). A verify point its backend cannot run says so."""
+    ok = _ok(rows)
+    med = {_key(r): float(r["median_us"]) for r in ok}
+    ran = {(r["tp"], r["launch"], r["impl"]) for r in ok}  # impls that started
+    missing = {
+        _key(r): r["note"]
+        for r in rows
+        if r["op"] == VERIFY
+        and r["status"] == "skipped"
+        and (r["tp"], r["launch"], r["impl"]) in ran
+    }
+    lines = {}
+    for r in rows:
+        if r["op"] in (VERIFY, "swap_sample_gather") and (_key(r) in med or _key(r) in missing):
+            lines.setdefault(_key(r)[1:], r)
+    if not lines:
+        return ""
+    judged = any(not target_reason(r) for r in lines.values())
+    head = ["impl", "dtype", "pad_bs", "bs", "mode", "mix", "record B", "swap B", "verify us"]
+    head += ["swap+sample+gather us", "read_once us", "argmax us", "speedup vs swap+sample+gather"]
+    head += ["verify / read_once", "verify / argmax"]
+    table = [[*head, "targets"] if judged else head]
+    reasons: set[str] = set()
+    notes: dict[str, None] = {}
+    for point, r in lines.items():
+        impl, dtype, pad_bs, bs, mode, mix = point
+        me = med.get((VERIFY, *point))
+        swap = med.get(("swap_sample_gather", *point))
+        read = med.get(("read_once", impl, dtype, pad_bs, bs, mode, ""))
+        greedy = med.get((ARGMAX, impl, dtype, pad_bs, bs, mode, ""))
+        speedup = swap / me if swap and me else None
+        over_read = me / read if read and me else None
+        over_argmax = me / greedy if greedy and me else None
+        verify_cell = _us(me)
+        if me is None and (VERIFY, *point) in missing:
+            verify_cell = "not available"
+            notes[missing[(VERIFY, *point)]] = None
+        rec = _record_bytes(rows, (VERIFY, *point))
+        shard = int(r["vocab"]) // int(r["tp"]) * ITEMSIZE[str(dtype)]
+        line = [str(v) for v in point] + [rec, str(shard), verify_cell, _us(swap), _us(read)]
+        line += [_us(greedy), _x(speedup), _f(over_read), _f(over_argmax)]
+        if judged:
+            line.append(_verify_verdict(r, mix, speedup, over_read, over_argmax, reasons))
+        table.append(line)
+    intro = "verify_batch_vocab vs its baselines in the same run"
+    if judged:
+        intro += (
+            f" (issue 24, mixes {', '.join(TARGET_MIXES)}: >= 2.5x faster than "
+            "swap+sample+gather, <= 1.5x read-once, <= 1.5x argmax at pad_bs=8 graph-replayed)"
+        )
+    mixes = dict.fromkeys(str(p[5]) for p in lines)
+    foot = [
+        f"  swap+sample+gather: the backend's swap_batch_vocab, {FULL_ROW_SAMPLER} over "
+        "the rank's full rows, its gather_verify_outputs",
+        "  record B: the record each shard sends per row (one all-gather; rows the records "
+        "leave open add 896 B each in a probe round); swap B: the swap's bytes per row per "
+        "shard",
+        *(f"  {m}: {mix_text(m)}" for m in mixes),
+        *(f"  not available: {n}" for n in notes),
+    ]
+    return "\n".join([intro, *_render(table), *foot, *_footnote(reasons)])
+
+
+def _key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (r["op"], r["impl"], r["dtype"], r["pad_bs"], r["bs"], r["mode"], r.get("mix") or "")
+
+
+def _record_bytes(rows: Sequence[Mapping[str, Any]], key: tuple[Any, ...]) -> str:
+    for r in rows:
+        if _key(r) == key and r.get("record_bytes"):
+            return str(r["record_bytes"])
+    return "-"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _verify_verdict(
+    r: Mapping[str, Any],
+    mix: str,
+    speedup: float | None,
+    over_read: float | None,
+    over_argmax: float | None,
+    reasons: set[str],
+) -> str:
+    """The targets cell of one line of :func:`format_verify_table` (adds to
+    ``reasons`` why the targets do not apply)."""
+    if mix not in TARGET_MIXES:
+        return ""
+    why = target_reason(r)
+    if why:
+        reasons.add(why)
+        return "n/a"
+    goals = VERIFY_TARGETS
+    out = []
+    if speedup is not None:
+        goal = goals["vs_swap_sample_gather"]
+        out.append(f">= {goal}x " + ("met" if speedup >= goal else "MISSED"))
+    if over_read is not None:
+        goal = goals["over_read_once"]
+        out.append(f"<= {goal} read_once " + ("met" if over_read <= goal else "MISSED"))
+    if over_argmax is not None and r["mode"] == "graph" and r["pad_bs"] == VERIFY_ARGMAX_PAD_BS:
+        goal = goals["over_argmax"]
+        out.append(f"<= {goal} argmax " + ("met" if over_argmax <= goal else "MISSED"))
+    return ", ".join(out)
