@@ -213,6 +213,40 @@ def test_the_torch_path_is_not_captured_in_a_graph(fake_comm: type[FakeComm]) ->
     assert prep.check is not None and prep.check(prep.fn()) == ""
 
 
+def test_a_sampler_that_cannot_be_captured_skips_the_graph_baseline(
+    fake_comm: type[FakeComm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph points of swap_sample_gather try the sampler alone in a CUDA graph
+    first (fake here: no CUDA); a capture error skips them with the reason, once."""
+    captures: list[Any] = []
+
+    class Capture:
+        def __init__(self, graph: Any, **kw: Any) -> None:
+            captures.append(kw)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    cfg = _verify_cfg()
+    lp = bench.LaunchPlan(1, "threads", "cpu", ("nccl",), (), (4,), ("graph",))
+    (group,) = ThreadGroup.create(1)
+    ctx = runners.RankCtx(0, group, group, torch.device("cpu"), None, cfg, lp)
+    runner = runners.CommRunner(ctx, "nccl")
+    for mix in ("topk50", "temperature"):
+        with pytest.raises(runners.PointSkipped, match="could not be captured in a CUDA graph"):
+            runner.prepare("swap_sample_gather", "float32", 4, 4, "graph", mix)
+    assert len(captures) == 1 and captures[0]["capture_error_mode"] == "thread_local"
+    monkeypatch.setattr(Capture, "__exit__", lambda self, *exc: None)
+    runner = runners.CommRunner(ctx, "nccl")
+    prep = runner.prepare("swap_sample_gather", "float32", 4, 4, "graph", "topk50")
+    assert prep.check is not None and prep.check(prep.fn()) == ""  # eager call of the route
+
+
 # -- the verify table ------------------------------------------------------------------------
 _SPEED = {VERIFY: 10e-6, "swap_sample_gather": 30e-6, "read_once": 8e-6, ARGMAX: 5e-6}
 

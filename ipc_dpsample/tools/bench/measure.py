@@ -7,18 +7,15 @@ branch.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..common import GATE_CYCLES, Gate, rank_device, stream_scope, time_gated
 from .config import BenchConfig, LaunchPlan, points
-from .runners import PointSkipped, Prepared, RankCtx, Runner, make_runner
+from .runners import CAPTURE_LOCK, PointSkipped, Prepared, RankCtx, Runner, make_runner
 
 __all__ = ["GATE_CYCLES", "Gate", "bench_point", "bench_rank"]
-
-_CAPTURE_LOCK = threading.Lock()
 
 
 def _build(ctx: RankCtx, prep: Prepared, mode: str) -> tuple[Callable[[], Any], int, Any]:
@@ -40,7 +37,7 @@ def _build(ctx: RankCtx, prep: Prepared, mode: str) -> tuple[Callable[[], Any], 
     # torch.cuda.graph synchronises the device and empties the cache on entry: rank
     # threads sharing a GPU capture one at a time (capturing launches nothing).
     with (
-        _CAPTURE_LOCK,
+        CAPTURE_LOCK,
         torch.cuda.graph(graph, stream=ctx.stream, capture_error_mode="thread_local"),
     ):
         for _ in range(ctx.cfg.graph_ops):

@@ -32,6 +32,7 @@ from .config import (
 )
 
 __all__ = [
+    "CAPTURE_LOCK",
     "FULL_ROW_SAMPLER",
     "CommRunner",
     "PointSkipped",
@@ -51,6 +52,11 @@ __all__ = [
 
 class PointSkipped(Exception):
     """A point this runner cannot measure; the message says why (reported skipped)."""
+
+
+#: CUDA graphs are captured one rank thread at a time: ``torch.cuda.graph`` synchronises
+#: the device on entry (capturing launches nothing).
+CAPTURE_LOCK = threading.Lock()
 
 
 # -- data ---------------------------------------------------------------------------
@@ -242,6 +248,8 @@ class CommRunner(Runner):
         self._verify_data: dict[tuple[Any, ...], Any] = {}
         #: Per logits dtype: "" when its communicator runs verify_batch_vocab, else why not.
         self._verify_missing: dict[str, str] = {}
+        #: "" once the full-row sampler was captured in a CUDA graph, else why it was not.
+        self._sampler_graph: str | None = None
         self._bs_dev: Any = None
 
     def _comm(self, dtype: str | None) -> Any:
@@ -418,6 +426,12 @@ class CommRunner(Runner):
         # load the sampler's kernels now, locally: loaded lazily behind a spinning swap
         # they would stall the device until the timeout
         verify_rows(exp, my_cand, **my_params, **sample, check=False)
+        if mode == "graph":
+            why = self._sampler_capture_error(
+                lambda: verify_rows(exp, my_cand, **my_params, **sample, check=False)
+            )
+            if why:
+                raise PointSkipped(why)
 
         def swap_sample_gather() -> Any:
             y = c.swap_batch_vocab(x, pad_bs=pad_bs, **kw)
@@ -425,6 +439,31 @@ class CommRunner(Runner):
             return c.gather_verify_outputs(*out, pad_bs=pad_bs, **kw)
 
         return swap_sample_gather, check
+
+    def _sampler_capture_error(self, call: Callable[[], Any]) -> str:
+        """``""`` when ``call`` (the full-row sampler alone, no communication) can be
+        captured in a CUDA graph on this rank's stream, else why not; tried once per
+        runner, locally (a sampler that synchronises with the host cannot be)."""
+        if self._sampler_graph is None:
+            import torch
+
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with (
+                    CAPTURE_LOCK,
+                    torch.cuda.graph(
+                        graph, stream=self.ctx.stream, capture_error_mode="thread_local"
+                    ),
+                ):
+                    call()
+                del graph
+                self._sampler_graph = ""
+            except Exception as exc:
+                text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                self._sampler_graph = (
+                    f"{FULL_ROW_SAMPLER} could not be captured in a CUDA graph ({text})"
+                )
+        return self._sampler_graph
 
     def _verify_unavailable(
         self, c: Any, dtype: str, x: Any, cand: Any, pad_bs: int, params: dict[str, Any]
