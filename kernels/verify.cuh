@@ -1,0 +1,811 @@
+// ipc_dpsample verify device code: sampled speculative verify without moving logits
+// (verify_batch_vocab, issue 24). Shared by the one-sided kernels (onesided.cu: records
+// pushed into the owners' arenas) and kernels/verify.cu (stand-alone kernels: the CPU
+// emulation in tests/test_verify_kernels_cpu.py, and any backend that moves the records
+// itself).
+//
+// The spec is ipc_dpsample.layout.reference_verify_batch_vocab; docs/verify_contract.md
+// has the noise, the filters and why the shards compute it exactly. Every rank reduces
+// each real row of its vocabulary shard to one RECORD (below); the row's owner combines
+// the tp records of each of its rows into the token the full row samples, bit for bit,
+// runs the accept chain ("sample, then match") and writes its requests' results, which
+// the caller then all-gathers.
+//
+// Rows this code decides (dv_mode):
+//   * GREEDY: temperature < 1e-6 or top_k == 1 -> torch.argmax of the row;
+//   * TEMP: temperature only -> the best (score desc, id asc) of the shards' bests;
+//   * TOPK: top_k in 2..128, with or without top-p and min-p -> each shard sends its
+//     first k columns in key order; the merge holds the row's first k, on which the
+//     owner recomputes z, the noise, the fixed-point masses and both thresholds;
+//   * degenerate rows (a NaN, or z_max = float32(max / T) not finite) -> the greedy token.
+// Top-p or min-p WITHOUT top-k (mode OTHER) needs the row's whole key order: the host
+// never sends such a batch here (the one-sided backend moves its logits instead).
+//
+// Exactness: every decision uses IEEE basic operations without contraction (explicit
+// __fadd_rn / __fdiv_rn / __dadd_rn / __dmul_rn / __ddiv_rn on the device; the CPU
+// emulation builds with -ffp-contract=off) and the two polynomials of layout.det_log and
+// layout.det_exp2_frac with the same coefficients.
+//
+// RECORD (u32 words, DV_HDR + 2 * kcap per row; kcap = the call's largest top-k, 0 when
+// no row has top-k):
+//   [0]  flags: bit 0 = a NaN in the shard's columns
+//   [1]  the shard's first NaN (global id; DV_NO_ID: none)
+//   [2]  the shard's first maximum (global id; DV_NO_ID: no column counts)
+//   [3]  its raw logit (float32; -inf when no column counts)
+//   [4,5] float64 sum(exp(x - max)) over the shard's columns (return_logprobs only)
+//   [6]  TEMP rows: the shard's best-scoring column (global id; DV_NO_ID: none)
+//   [7]  its score (float32)
+//   [8]  its raw logit (float32)
+//   [9]  TOPK rows: list length (min(k, columns of the shard))
+//   [10] candidates[req, d] as this rank passed it (the owner compares)
+//   [11] the call's parameter digest (host-computed; the owner compares)
+//   [12 .. 12+kcap)        list raw logits, key order (value desc, id asc; -0 == +0)
+//   [12+kcap .. 12+2kcap)  list global ids
+//
+// No toolkit headers (see argmax.cuh): NVRTC, nvcc and g++ (DP_ARGMAX_CPU_EMULATION)
+// build it.
+#pragma once
+
+#include "argmax.cuh"
+
+#ifndef DV_BLOCK
+#define DV_BLOCK 256  // threads per CTA of the record and combine kernels (a power of 2)
+#endif
+#define DV_TOPK_MAX 128
+#define DV_HDR 12
+#define DV_REC_MAX (DV_HDR + 2 * DV_TOPK_MAX)
+#define DV_NO_ID 0x7FFFFFFFu
+#define DV_MAX_TP 64  // largest tp the combine's shared arrays hold
+
+#define DV_GREEDY 0
+#define DV_TEMP 1
+#define DV_TOPK 2
+#define DV_OTHER 3
+
+#define DV_W_FLAGS 0
+#define DV_W_NAN_ID 1
+#define DV_W_MAX_ID 2
+#define DV_W_MAX_VAL 3
+#define DV_W_SUMEXP 4
+#define DV_W_BEST_ID 6
+#define DV_W_BEST_SCORE 7
+#define DV_W_BEST_VAL 8
+#define DV_W_LIST_LEN 9
+#define DV_W_CAND 10
+#define DV_W_DIGEST 11
+
+typedef unsigned long long dv_u64;
+typedef long long dv_i64;
+
+// One request's sampling parameters (32 bytes; ipc_dpsample.backends.verify_kernels
+// packs them). top_k is normalised by the host: 0 = off, else 1..128.
+struct DvParams {
+  float temperature;
+  int top_k;
+  float top_p;   // 1 = off
+  float min_p;   // 0 = off
+  dv_i64 seed;
+  dv_i64 offset;
+};
+static_assert(sizeof(DvParams) == 32, "DvParams is packed by the host");
+
+// -- IEEE operations without contraction ---------------------------------------
+#ifdef DP_ARGMAX_CPU_EMULATION
+__device__ __forceinline__ float dv_fadd(float a, float b) { return a + b; }
+__device__ __forceinline__ float dv_fmul(float a, float b) { return a * b; }
+__device__ __forceinline__ float dv_fdiv(float a, float b) { return a / b; }
+__device__ __forceinline__ double dv_dadd(double a, double b) { return a + b; }
+__device__ __forceinline__ double dv_dmul(double a, double b) { return a * b; }
+__device__ __forceinline__ double dv_ddiv(double a, double b) { return a / b; }
+__device__ __forceinline__ dv_u64 dv_d2u(double x) {
+  dv_u64 u;
+  __builtin_memcpy(&u, &x, 8);
+  return u;
+}
+__device__ __forceinline__ double dv_u2d(dv_u64 u) {
+  double x;
+  __builtin_memcpy(&x, &u, 8);
+  return x;
+}
+__device__ __forceinline__ dv_u64 dv_mulhi64(dv_u64 a, dv_u64 b) {
+  return (dv_u64)(((unsigned __int128)a * b) >> 64);
+}
+__device__ __forceinline__ double dv_floor(double x) { return __builtin_floor(x); }
+__device__ __forceinline__ double dv_exp(double x) { return __builtin_exp(x); }
+__device__ __forceinline__ double dv_log(double x) { return __builtin_log(x); }
+#else
+__device__ __forceinline__ float dv_fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float dv_fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float dv_fdiv(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double dv_dadd(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double dv_dmul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double dv_ddiv(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ dv_u64 dv_d2u(double x) { return (dv_u64)__double_as_longlong(x); }
+__device__ __forceinline__ double dv_u2d(dv_u64 u) { return __longlong_as_double((long long)u); }
+__device__ __forceinline__ dv_u64 dv_mulhi64(dv_u64 a, dv_u64 b) { return __umul64hi(a, b); }
+__device__ __forceinline__ double dv_floor(double x) { return floor(x); }
+__device__ __forceinline__ double dv_exp(double x) { return exp(x); }
+__device__ __forceinline__ double dv_log(double x) { return log(x); }
+#endif
+
+__device__ __forceinline__ float dv_neg_inf() { return argmax_u2f(0xFF800000u); }
+__device__ __forceinline__ float dv_nan() { return argmax_u2f(0x7FC00000u); }
+__device__ __forceinline__ bool dv_isfinite_d(double x) {
+  return (dv_d2u(x) & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
+}
+
+// -- the noise: layout.noise_stream_key, philox4x32_10, uniform_from_uint32 -----
+// Philox4x64-10, word 0, counter (c0, 0, 0, 0), key (k0, 0): Triton's tl.randint with
+// int64 seed and offset.
+__device__ __forceinline__ dv_u64 dv_philox64_w0(dv_u64 c0, dv_u64 k0) {
+  dv_u64 c1 = 0, c2 = 0, c3 = 0, k1 = 0;
+  const dv_u64 M0 = 0xD2E7470EE14C6C93ull, M1 = 0xCA5A826395121157ull;
+  for (int i = 0; i < 10; ++i) {
+    const dv_u64 hi0 = dv_mulhi64(c0, M0), lo0 = c0 * M0;
+    const dv_u64 hi1 = dv_mulhi64(c2, M1), lo1 = c2 * M1;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B97F4A7C15ull;
+    k1 += 0xBB67AE8584CAA73Bull;
+  }
+  return c0;
+}
+
+// The row's stream key: philox4x64_10((offset + d, 0, 0, 0), (seed, 0))[0].
+__device__ __forceinline__ dv_u64 dv_stream_key(const DvParams& p, unsigned d) {
+  return dv_philox64_w0((dv_u64)p.offset + (dv_u64)d, (dv_u64)p.seed);
+}
+
+// Philox4x32-10, word 0, counter (c0, 0, 0, 0), key (k0, k1).
+__device__ __forceinline__ unsigned dv_philox32_w0(unsigned c0, unsigned k0, unsigned k1) {
+  unsigned c1 = 0, c2 = 0, c3 = 0;
+  for (int i = 0; i < 10; ++i) {
+    const dv_u64 p0 = (dv_u64)0xD2511F53u * c0;
+    const dv_u64 p1 = (dv_u64)0xCD9E8D57u * c2;
+    c0 = (unsigned)(p1 >> 32) ^ c1 ^ k0;
+    c1 = (unsigned)p1;
+    c2 = (unsigned)(p0 >> 32) ^ c3 ^ k1;
+    c3 = (unsigned)p0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// layout.det_log: the natural log of a positive normal double by fixed operations.
+__device__ __forceinline__ double dv_det_log(double x) {
+  const dv_u64 bits = dv_d2u(x);
+  int e = (int)((bits >> 52) & 0x7FFu) - 1022;  // frexp: x = m * 2**e, m in [0.5, 1)
+  double m = dv_u2d((bits & 0x800FFFFFFFFFFFFFull) | 0x3FE0000000000000ull);
+  if (m < 0.70710678118654757) {
+    m = dv_dmul(m, 2.0);
+    e -= 1;
+  }
+  const double s = dv_ddiv(dv_dadd(m, -1.0), dv_dadd(m, 1.0));
+  const double s2 = dv_dmul(s, s);
+  double p = 0.086956521739130432;
+  p = dv_dadd(dv_dmul(p, s2), 0.095238095238095233);
+  p = dv_dadd(dv_dmul(p, s2), 0.10526315789473684);
+  p = dv_dadd(dv_dmul(p, s2), 0.11764705882352941);
+  p = dv_dadd(dv_dmul(p, s2), 0.13333333333333333);
+  p = dv_dadd(dv_dmul(p, s2), 0.15384615384615385);
+  p = dv_dadd(dv_dmul(p, s2), 0.18181818181818182);
+  p = dv_dadd(dv_dmul(p, s2), 0.22222222222222221);
+  p = dv_dadd(dv_dmul(p, s2), 0.2857142857142857);
+  p = dv_dadd(dv_dmul(p, s2), 0.40000000000000002);
+  p = dv_dadd(dv_dmul(p, s2), 0.66666666666666663);
+  p = dv_dadd(dv_dmul(p, s2), 2.0);
+  return dv_dadd(dv_dmul((double)e, 0.69314718055994529), dv_dmul(s, p));
+}
+
+// layout.det_exp2_frac: 2**f for f in [0, 1).
+__device__ __forceinline__ double dv_det_exp2_frac(double f) {
+  const double t = dv_dmul(f, 0.69314718055994529);
+  double p = 2.8114572543455206e-15;
+  p = dv_dadd(dv_dmul(p, t), 4.7794773323873853e-14);
+  p = dv_dadd(dv_dmul(p, t), 7.6471637318198164e-13);
+  p = dv_dadd(dv_dmul(p, t), 1.1470745597729725e-11);
+  p = dv_dadd(dv_dmul(p, t), 1.6059043836821613e-10);
+  p = dv_dadd(dv_dmul(p, t), 2.08767569878681e-09);
+  p = dv_dadd(dv_dmul(p, t), 2.505210838544172e-08);
+  p = dv_dadd(dv_dmul(p, t), 2.7557319223985888e-07);
+  p = dv_dadd(dv_dmul(p, t), 2.7557319223985893e-06);
+  p = dv_dadd(dv_dmul(p, t), 2.4801587301587302e-05);
+  p = dv_dadd(dv_dmul(p, t), 0.00019841269841269841);
+  p = dv_dadd(dv_dmul(p, t), 0.0013888888888888889);
+  p = dv_dadd(dv_dmul(p, t), 0.0083333333333333332);
+  p = dv_dadd(dv_dmul(p, t), 0.041666666666666664);
+  p = dv_dadd(dv_dmul(p, t), 0.16666666666666666);
+  p = dv_dadd(dv_dmul(p, t), 0.5);
+  p = dv_dadd(dv_dmul(p, t), 1.0);
+  p = dv_dadd(dv_dmul(p, t), 1.0);
+  return p;
+}
+
+// layout.gumbel_noise of one global token id under a row's stream key.
+__device__ __forceinline__ float dv_noise(dv_u64 key, unsigned id) {
+  const unsigned x = dv_philox32_w0(id, (unsigned)(key & 0xFFFFFFFFull), (unsigned)(key >> 32));
+  int i = (int)x;
+  if (i < 0) i = ~i;
+  float u = dv_fmul((float)i, 4.6566127342e-10f);
+  if (u < 1e-7f) u = 1e-7f;
+  const double a = dv_det_log((double)u);  // < 0
+  return (float)(-dv_det_log(-a));
+}
+
+// Every noise value is below this (layout: the largest uniform is 1 - 2**-24, whose
+// noise is 16.6355...; the margin is far above det_log's few-ulp error), so a column
+// with float32(z + DV_G_BOUND) below the best score found cannot win.
+#define DV_G_BOUND 16.6375f
+
+// layout.mass_terms of one finite float32 z: exp(z) ~ a * 2**(8*grp - 24).
+__device__ __forceinline__ void dv_mass_term(float z, double* grp, dv_i64* a) {
+  const double t = dv_dmul((double)z, 1.4426950408889634);
+  const double k = dv_floor(t);
+  const double q = dv_floor(dv_dmul(dv_det_exp2_frac(dv_dadd(t, -k)), 16777216.0));
+  const double g = dv_floor(dv_dmul(k, 0.125));  // k / 8, exact
+  const int r = (int)dv_dadd(k, -dv_dmul(8.0, g));  // 0..7
+  *grp = g;
+  *a = (dv_i64)q << r;
+}
+
+// ceil(p * w) exactly for float32 p in (0, 1) and 0 <= w < 2**53 (layout.top_p_threshold).
+__device__ __forceinline__ dv_i64 dv_top_p_threshold(float p, dv_i64 w) {
+  const unsigned bits = argmax_f2u(p);
+  const unsigned ef = (bits >> 23) & 0xFFu;
+  const dv_u64 mant = ef ? ((bits & 0x7FFFFFu) | 0x800000u) : (bits & 0x7FFFFFu);
+  const int shift = ef ? 150 - (int)ef : 149;  // p = mant * 2**-shift, shift >= 24
+  const dv_u64 lo = mant * (dv_u64)w, hi = dv_mulhi64(mant, (dv_u64)w);
+  if (lo == 0 && hi == 0) return 0;
+  if (shift >= 128) return 1;
+  // (hi:lo + 2**shift - 1) >> shift
+  dv_u64 add_lo, add_hi;
+  if (shift >= 64) {
+    add_lo = ~0ull;
+    add_hi = (shift == 64) ? 0ull : ((1ull << (shift - 64)) - 1ull);
+  } else {
+    add_lo = (1ull << shift) - 1ull;
+    add_hi = 0;
+  }
+  const dv_u64 s_lo = lo + add_lo;
+  const dv_u64 s_hi = hi + add_hi + (s_lo < lo ? 1ull : 0ull);
+  if (shift >= 64) return (dv_i64)(shift == 64 ? s_hi : (s_hi >> (shift - 64)));
+  return (dv_i64)((s_lo >> shift) | (s_hi << (64 - shift)));
+}
+
+// layout.min_p_log: float32(det_log(min_p)).
+__device__ __forceinline__ float dv_min_p_log(float min_p) {
+  return (float)dv_det_log((double)min_p);
+}
+
+__device__ __forceinline__ int dv_mode(const DvParams& p) {
+  if (p.temperature < 1e-6f || p.top_k == 1) return DV_GREEDY;
+  if (p.top_k >= 2) return DV_TOPK;
+  if (p.top_p < 1.0f || p.min_p > 0.0f) return DV_OTHER;
+  return DV_TEMP;
+}
+
+// Key order as one unsigned: larger = earlier (value descending); -0 == +0; NaN last.
+__device__ __forceinline__ unsigned dv_order_key(float x) {
+  unsigned u = argmax_f2u(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0u;
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ bool dv_better(float av, unsigned aid, float bv, unsigned bid) {
+  return av > bv || (av == bv && aid < bid);
+}
+
+// -- block helpers (blockDim.x a power of 2, <= DV_BLOCK) --------------------------
+struct DvShared {
+  float f[DV_BLOCK];
+  float f2[DV_BLOCK];
+  unsigned u[DV_BLOCK];
+  unsigned u2[DV_BLOCK];
+  double d[DV_BLOCK];
+};
+
+// (value desc, id asc) best over the block; carries a second float.
+__device__ __forceinline__ void dv_block_best(DvShared& sh, float& v, unsigned& id, float& extra) {
+  const unsigned t = threadIdx.x;
+  sh.f[t] = v;
+  sh.u[t] = id;
+  sh.f2[t] = extra;
+  __syncthreads();
+  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
+    if (t < off && dv_better(sh.f[t + off], sh.u[t + off], sh.f[t], sh.u[t])) {
+      sh.f[t] = sh.f[t + off];
+      sh.u[t] = sh.u[t + off];
+      sh.f2[t] = sh.f2[t + off];
+    }
+    __syncthreads();
+  }
+  v = sh.f[0];
+  id = sh.u[0];
+  extra = sh.f2[0];
+  __syncthreads();
+}
+
+__device__ __forceinline__ unsigned dv_block_min(DvShared& sh, unsigned x) {
+  const unsigned t = threadIdx.x;
+  sh.u2[t] = x;
+  __syncthreads();
+  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
+    if (t < off && sh.u2[t + off] < sh.u2[t]) sh.u2[t] = sh.u2[t + off];
+    __syncthreads();
+  }
+  const unsigned r = sh.u2[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ __forceinline__ double dv_block_sum(DvShared& sh, double x) {
+  const unsigned t = threadIdx.x;
+  sh.d[t] = x;
+  __syncthreads();
+  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
+    if (t < off) sh.d[t] = dv_dadd(sh.d[t], sh.d[t + off]);
+    __syncthreads();
+  }
+  const double r = sh.d[0];
+  __syncthreads();
+  return r;
+}
+
+// Inclusive prefix sum of one unsigned per thread (Hillis-Steele); returns this
+// thread's inclusive sum, *total the block's.
+__device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsigned* total) {
+  const unsigned t = threadIdx.x;
+  sh.u2[t] = x;
+  __syncthreads();
+  for (unsigned off = 1; off < blockDim.x; off <<= 1) {
+    const unsigned add = t >= off ? sh.u2[t - off] : 0u;
+    __syncthreads();
+    sh.u2[t] += add;
+    __syncthreads();
+  }
+  const unsigned r = sh.u2[t];
+  *total = sh.u2[blockDim.x - 1];
+  __syncthreads();
+  return r;
+}
+
+// -- the record of one row of one shard -------------------------------------------
+struct DvRecordShared {
+  DvShared red;
+  unsigned hist[2048];
+  unsigned sel_key[DV_TOPK_MAX];
+  unsigned sel_id[DV_TOPK_MAX];
+  float sel_val[DV_TOPK_MAX];
+  unsigned found_bin, found_above, n_gt, n_eq;
+  float init_score;
+};
+
+// The top `kk` columns of the row in key order into rec's list (kk >= 1).
+template <typename Tag>
+__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  unsigned prefix = 0, mask = 0, remaining = kk, eq_count = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    const unsigned shift = pass == 0 ? 21u : (pass == 1 ? 10u : 0u);
+    const unsigned nb = pass == 2 ? 1024u : 2048u;
+    for (unsigned i = t; i < nb; i += B) sh.hist[i] = 0;
+    __syncthreads();
+    for (unsigned c = t; c < ncols; c += B) {
+      const unsigned key = dv_order_key(argmax_load1<Tag>(row + c));
+      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & (nb - 1)], 1u);
+    }
+    __syncthreads();
+    // the bin holding the remaining-th largest: chunk sums, suffix sums over chunks
+    const unsigned per = nb / B ? nb / B : 1u;
+    const unsigned lo = t * per, hi = lo + per;  // this thread's bins [lo, hi)
+    unsigned cs = 0;
+    for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.hist[i];
+    unsigned total;
+    const unsigned incl = dv_block_scan(sh.red, cs, &total);
+    const unsigned above = total - incl;  // bins >= hi
+    if (lo < nb && above < remaining && above + cs >= remaining) {
+      unsigned acc = above;
+      for (unsigned i = (hi < nb ? hi : nb); i-- > lo;) {
+        if (acc + sh.hist[i] >= remaining) {
+          sh.found_bin = i;
+          sh.found_above = acc;
+          break;
+        }
+        acc += sh.hist[i];
+      }
+    }
+    __syncthreads();
+    const unsigned bin = sh.found_bin;
+    remaining -= sh.found_above;
+    eq_count = sh.hist[bin];
+    prefix |= bin << shift;
+    mask |= (nb - 1) << shift;
+    __syncthreads();
+  }
+  // prefix is the key of the kk-th column; take every larger key and the `remaining`
+  // lowest ids among the equal ones
+  const unsigned thr = prefix, gt = kk - remaining;
+  if (t == 0) {
+    sh.n_gt = 0;
+    sh.n_eq = 0;
+  }
+  __syncthreads();
+  const bool all_eq = eq_count == remaining;
+  for (unsigned c = t; c < ncols; c += B) {
+    const float x = argmax_load1<Tag>(row + c);
+    const unsigned key = dv_order_key(x);
+    unsigned slot = DV_TOPK_MAX;
+    if (key > thr) {
+      slot = atomicAdd(&sh.n_gt, 1u);
+    } else if (key == thr && all_eq) {
+      slot = gt + atomicAdd(&sh.n_eq, 1u);
+    }
+    if (slot < DV_TOPK_MAX) {
+      sh.sel_key[slot] = key;
+      sh.sel_id[slot] = col0 + c;
+      sh.sel_val[slot] = x == 0.0f ? 0.0f : x;
+    }
+  }
+  __syncthreads();
+  if (!all_eq) {  // ties at the k-th value: the lowest ids, in column order
+    unsigned base = 0;
+    for (unsigned c0 = 0; c0 < ncols && base < remaining; c0 += B) {
+      const unsigned c = c0 + t;
+      float x = 0.0f;
+      unsigned pred = 0;
+      if (c < ncols) {
+        x = argmax_load1<Tag>(row + c);
+        pred = dv_order_key(x) == thr ? 1u : 0u;
+      }
+      unsigned total;
+      const unsigned pos = dv_block_scan(sh.red, pred, &total) - pred;
+      if (pred && base + pos < remaining) {
+        const unsigned slot = gt + base + pos;
+        sh.sel_key[slot] = thr;
+        sh.sel_id[slot] = col0 + c;
+        sh.sel_val[slot] = x == 0.0f ? 0.0f : x;
+      }
+      base += total;
+    }
+  }
+  __syncthreads();
+  // sort the kk entries into key order by counting
+  for (unsigned i = t; i < kk; i += B) {
+    const unsigned k = sh.sel_key[i], id = sh.sel_id[i];
+    unsigned r = 0;
+    for (unsigned j = 0; j < kk; ++j)
+      r += (sh.sel_key[j] > k || (sh.sel_key[j] == k && sh.sel_id[j] < id)) ? 1u : 0u;
+    rec[DV_HDR + r] = argmax_f2u(sh.sel_val[i]);
+    rec[DV_HDR + kcap + r] = id;
+  }
+  __syncthreads();
+}
+
+// The record of one row: `ncols` counted columns (those below vocab_limit) starting at
+// global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
+// Every thread of the block calls it; rec is complete when it returns.
+template <typename Tag>
+__device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                              const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
+                              unsigned cand, unsigned digest, unsigned* rec,
+                              DvRecordShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  // pass 1: first NaN, first maximum
+  unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
+  float m = dv_neg_inf();
+  for (unsigned c = t; c < ncols; c += B) {
+    const float x = argmax_load1<Tag>(row + c);
+    if (argmax_isnan(x)) {
+      if (nan_id == DV_NO_ID) nan_id = col0 + c;
+    } else if (max_id == DV_NO_ID || x > m) {
+      m = x;
+      max_id = col0 + c;
+    }
+  }
+  nan_id = dv_block_min(sh.red, nan_id);
+  float unused = 0.0f;
+  dv_block_best(sh.red, m, max_id, unused);
+  const bool has_nan = nan_id != DV_NO_ID;
+  // pass 2 (logprobs): sum of exp(x - max) in float64
+  double se = 0.0;
+  if (want_lp && !has_nan && argmax_isfinite(m)) {
+    for (unsigned c = t; c < ncols; c += B) {
+      const float x = argmax_load1<Tag>(row + c);
+      if (x != dv_neg_inf()) se += dv_exp((double)x - (double)m);
+    }
+    se = dv_block_sum(sh.red, se);
+  }
+  const int mode = dv_mode(p);
+  float best_score = dv_neg_inf(), best_val = dv_neg_inf();
+  unsigned best_id = DV_NO_ID, list_len = 0;
+  if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
+    const dv_u64 key = dv_stream_key(p, d);
+    const float T = p.temperature;
+    if (t == 0) sh.init_score = dv_fadd(dv_fdiv(m, T), dv_noise(key, max_id));
+    __syncthreads();
+    best_score = sh.init_score;
+    best_id = max_id;
+    best_val = m;
+    for (unsigned c = t; c < ncols; c += B) {
+      const float x = argmax_load1<Tag>(row + c);
+      const float z = dv_fdiv(x, T);
+      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) continue;  // cannot win (NaN-safe)
+      const unsigned id = col0 + c;
+      const float s = dv_fadd(z, dv_noise(key, id));
+      if (dv_better(s, id, best_score, best_id)) {
+        best_score = s;
+        best_id = id;
+        best_val = x;
+      }
+    }
+    dv_block_best(sh.red, best_score, best_id, best_val);
+  } else if (mode == DV_TOPK && ncols > 0) {
+    list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
+    if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
+    if (list_len > 0) dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, sh);
+  }
+  if (t == 0) {
+    rec[DV_W_FLAGS] = has_nan ? 1u : 0u;
+    rec[DV_W_NAN_ID] = nan_id;
+    rec[DV_W_MAX_ID] = max_id;
+    rec[DV_W_MAX_VAL] = argmax_f2u(m);
+    const dv_u64 sb = dv_d2u(se);
+    rec[DV_W_SUMEXP] = (unsigned)(sb & 0xFFFFFFFFull);
+    rec[DV_W_SUMEXP + 1] = (unsigned)(sb >> 32);
+    rec[DV_W_BEST_ID] = best_id;
+    rec[DV_W_BEST_SCORE] = argmax_f2u(best_score);
+    rec[DV_W_BEST_VAL] = argmax_f2u(best_val);
+    rec[DV_W_LIST_LEN] = list_len;
+    rec[DV_W_CAND] = cand;
+    rec[DV_W_DIGEST] = digest;
+  }
+  __syncthreads();
+}
+
+// -- the owner's combine of one request ----------------------------------------------
+// The merge holds every source's list in shared memory: tp * kcap <= DV_MERGE_MAX
+// entries, and a request has at most DV_MAX_N rows (the host checks both).
+#define DV_MERGE_MAX (8 * DV_TOPK_MAX)
+#define DV_MAX_N 64
+struct DvCombineShared {
+  unsigned key[DV_MERGE_MAX];  // every source's list, source after source
+  unsigned mid[DV_MERGE_MAX];
+  float mval[DV_MERGE_MAX];
+  unsigned len[DV_MAX_TP];
+  unsigned off[DV_MAX_TP + 1];
+  float m_val[DV_TOPK_MAX];  // the merged first k: raw logits, ids, z, scores, masses
+  unsigned m_id[DV_TOPK_MAX];
+  float m_z[DV_TOPK_MAX];
+  float m_score[DV_TOPK_MAX];
+  double m_grp[DV_TOPK_MAX];
+  dv_i64 m_a[DV_TOPK_MAX];
+  int tok[DV_MAX_N];
+  float tok_val[DV_MAX_N];
+  float lp[DV_MAX_N];
+  dv_u64 stream_key;
+  int mode;  // -1: decided by thread 0 (greedy, degenerate, temperature)
+  unsigned bad_src;
+};
+
+
+// Combine the tp records of request `req` (rows req*N .. req*N+N-1; local request i,
+// its records at recs + (s * rows_per_src + i*N + d) * rec_words) and write the
+// request's predict[N], accept_index[N] (numbered aidx_base + d), accept_length and,
+// with want_lp, logprobs[N]. Returns the first source whose digest or candidate
+// differs from this rank's (DV_NO_ID: none). Every thread calls it.
+__device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsigned rows_per_src,
+                                       unsigned rec_words, unsigned kcap, unsigned i, unsigned n,
+                                       const DvParams& p, const int* cand, unsigned digest,
+                                       bool want_lp, int aidx_base, int* predict,
+                                       int* accept_index, int* accept_length, float* logprobs,
+                                       DvCombineShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  if (t == 0) sh.bad_src = DV_NO_ID;
+  __syncthreads();
+  for (unsigned d = 0; d < n; ++d) {
+    const unsigned row = i * n + d;
+    if (t == 0) {
+      bool has_nan = false;
+      unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
+      float mx = dv_neg_inf();
+      for (unsigned s = 0; s < tp; ++s) {
+        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+        if (r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) {
+          if (sh.bad_src == DV_NO_ID) sh.bad_src = s;
+        }
+        if (r[DV_W_FLAGS] & 1u) {
+          has_nan = true;
+          if (r[DV_W_NAN_ID] < nan_id) nan_id = r[DV_W_NAN_ID];
+        }
+        const float v = argmax_u2f(r[DV_W_MAX_VAL]);
+        if (dv_better(v, r[DV_W_MAX_ID], mx, max_id)) {
+          mx = v;
+          max_id = r[DV_W_MAX_ID];
+        }
+      }
+      const int mode = dv_mode(p);
+      int tok = has_nan ? (int)nan_id : (int)max_id;
+      float tok_val = has_nan ? dv_nan() : mx;
+      bool decided = true;
+      if (sh.bad_src == DV_NO_ID && !has_nan && mode != DV_GREEDY &&
+          argmax_isfinite(dv_fdiv(mx, p.temperature))) {
+        if (mode == DV_TEMP) {
+          float bs = dv_neg_inf();
+          unsigned bid = DV_NO_ID;
+          for (unsigned s = 0; s < tp; ++s) {
+            const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+            const float sc = argmax_u2f(r[DV_W_BEST_SCORE]);
+            if (dv_better(sc, r[DV_W_BEST_ID], bs, bid)) {
+              bs = sc;
+              bid = r[DV_W_BEST_ID];
+              tok_val = argmax_u2f(r[DV_W_BEST_VAL]);
+            }
+          }
+          tok = (int)bid;
+        } else if (mode == DV_TOPK) {
+          decided = false;
+          sh.stream_key = dv_stream_key(p, d);
+          unsigned at = 0;
+          for (unsigned s = 0; s < tp; ++s) {
+            const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+            unsigned len = r[DV_W_LIST_LEN];
+            if (len > kcap) len = kcap;
+            sh.len[s] = len;
+            sh.off[s] = at;
+            at += len;
+          }
+          sh.off[tp] = at;
+        }
+      }
+      sh.mode = decided ? -1 : DV_TOPK;
+      sh.tok[d] = tok;
+      sh.tok_val[d] = tok_val;
+    }
+    __syncthreads();
+    if (sh.mode == DV_TOPK) {
+      // every source's list into shared memory, then each entry's rank in the merge
+      const unsigned total = sh.off[tp];
+      for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
+        unsigned s = 0;
+        while (sh.off[s + 1] <= e) ++s;
+        const unsigned j = e - sh.off[s];
+        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+        const float v = argmax_u2f(r[DV_HDR + j]);
+        sh.mval[e] = v;
+        sh.key[e] = dv_order_key(v);
+        sh.mid[e] = r[DV_HDR + kcap + j];
+      }
+      __syncthreads();
+      const unsigned k = (unsigned)p.top_k < total ? (unsigned)p.top_k : total;
+      for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
+        unsigned s = 0;
+        while (sh.off[s + 1] <= e) ++s;
+        const unsigned ke = sh.key[e], ie = sh.mid[e];
+        unsigned rank = e - sh.off[s];
+        for (unsigned o = 0; o < tp; ++o) {
+          if (o == s) continue;
+          unsigned a = sh.off[o], b = sh.off[o + 1];  // entries of o before e: a prefix
+          while (a < b) {
+            const unsigned mid = (a + b) / 2;
+            if (sh.key[mid] > ke || (sh.key[mid] == ke && sh.mid[mid] < ie))
+              a = mid + 1;
+            else
+              b = mid;
+          }
+          rank += a - sh.off[o];
+        }
+        if (rank < k) {
+          sh.m_val[rank] = sh.mval[e];
+          sh.m_id[rank] = ie;
+        }
+      }
+      __syncthreads();
+      const float T = p.temperature;
+      const bool use_p = p.top_p < 1.0f;
+      for (unsigned j = t; j < k; j += B) {
+        const float z = dv_fdiv(sh.m_val[j], T);
+        sh.m_z[j] = z;
+        sh.m_score[j] = dv_fadd(z, dv_noise(sh.stream_key, sh.m_id[j]));
+        if (use_p) {
+          if (argmax_isfinite(z)) {
+            dv_mass_term(z, &sh.m_grp[j], &sh.m_a[j]);
+          } else {
+            sh.m_grp[j] = (double)dv_neg_inf();
+            sh.m_a[j] = 0;
+          }
+        }
+      }
+      __syncthreads();
+      if (t == 0) {
+        const double top = sh.m_grp[0];
+        dv_i64 thr = 0;
+        if (use_p) {
+          dv_i64 S[7] = {0, 0, 0, 0, 0, 0, 0};
+          for (unsigned j = 0; j < k; ++j) {
+            const double dd = top - sh.m_grp[j];
+            for (int g = 0; g < 7; ++g)
+              if (dd == (double)g) S[g] += sh.m_a[j];
+          }
+          dv_i64 W = 0;
+          for (int g = 0; g < 7; ++g) W += S[g] >> (8 * g);
+          thr = dv_top_p_threshold(p.top_p, W);
+        }
+        const bool use_m = p.min_p > 0.0f;
+        const float zmax = dv_fdiv(sh.m_val[0], T);
+        const float thr_z = use_m ? dv_fadd(zmax, dv_min_p_log(p.min_p)) : 0.0f;
+        dv_i64 P[7] = {0, 0, 0, 0, 0, 0, 0};
+        float bs = dv_neg_inf();
+        unsigned bid = DV_NO_ID;
+        float bval = dv_nan();
+        for (unsigned j = 0; j < k; ++j) {
+          bool kept = true;
+          if (use_p) {
+            dv_i64 before = 0;
+            for (int g = 0; g < 7; ++g) before += P[g] >> (8 * g);
+            kept = before < thr;
+            const double dd = top - sh.m_grp[j];
+            for (int g = 0; g < 7; ++g)
+              if (dd == (double)g) P[g] += sh.m_a[j];
+          }
+          if (use_m && !(sh.m_z[j] >= thr_z)) kept = false;
+          if (kept && dv_better(sh.m_score[j], sh.m_id[j], bs, bid)) {
+            bs = sh.m_score[j];
+            bid = sh.m_id[j];
+            bval = sh.m_val[j];
+          }
+        }
+        sh.tok[d] = (int)bid;
+        sh.tok_val[d] = bval;
+      }
+      __syncthreads();
+    }
+    if (t == 0 && want_lp) {
+      // recompute the logprob now that the token's raw logit is known
+      float lp = dv_nan();
+      bool has_nan = false;
+      float mx = dv_neg_inf();
+      unsigned max_id = DV_NO_ID;
+      for (unsigned s = 0; s < tp; ++s) {
+        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+        if (r[DV_W_FLAGS] & 1u) has_nan = true;
+        const float v = argmax_u2f(r[DV_W_MAX_VAL]);
+        if (dv_better(v, r[DV_W_MAX_ID], mx, max_id)) {
+          mx = v;
+          max_id = r[DV_W_MAX_ID];
+        }
+      }
+      if (!has_nan && argmax_isfinite(mx)) {
+        double S = 0.0;
+        for (unsigned s = 0; s < tp; ++s) {
+          const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+          const float ms = argmax_u2f(r[DV_W_MAX_VAL]);
+          if (!argmax_isfinite(ms)) continue;
+          const double se = dv_u2d((dv_u64)r[DV_W_SUMEXP] | ((dv_u64)r[DV_W_SUMEXP + 1] << 32));
+          S += ms == mx ? se : se * dv_exp((double)ms - (double)mx);
+        }
+        lp = (float)(((double)sh.tok_val[d] - (double)mx) - dv_log(S));
+      }
+      sh.lp[d] = lp;
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    unsigned accepted = 0;
+    while (accepted + 1 < n && cand[accepted + 1] == sh.tok[accepted]) ++accepted;
+    for (unsigned d = 0; d < n; ++d) {
+      predict[d] = sh.tok[d];
+      accept_index[d] = d <= accepted ? aidx_base + (int)d : -1;
+      if (want_lp) logprobs[d] = sh.lp[d];
+    }
+    *accept_length = (int)accepted + 1;
+  }
+  __syncthreads();
+  const unsigned bad = sh.bad_src;
+  __syncthreads();  // every thread has read it before the next request resets it
+  return bad;
+}

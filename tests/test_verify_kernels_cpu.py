@@ -1,0 +1,415 @@
+"""CPU proof of the verify kernels (kernels/verify.cu + verify.cuh, issue 24).
+
+The kernels include no toolkit header, so g++ builds them with a small emulation of the
+CUDA launch (as tests/test_argmax_kernels_cpu.py does for argmax): one ``std::thread`` per
+CUDA thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads``, GCC
+atomics for ``atomicAdd``/``atomicCAS``, and ``-ffp-contract=off`` (the device code uses
+the ``__*_rn`` intrinsics, which never contract). Every rank's shard goes through
+``dp_verify_records``; each owner's rows of the records are stacked as the all-to-all
+would deliver them and go through ``dp_verify_combine``; ``predict``, ``accept_index``
+and ``accept_length`` must equal ``ipc_dpsample.layout.reference_verify_batch_vocab``
+bit for bit and the logprobs must be within 1 float32 ulp. The same device functions run
+inside the one-sided kernels on the GPU (tests/test_verify_onesided_gpu.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ipc_dpsample.backends.verify_plan import (
+    kernel_path_refusal,
+    list_cap,
+    pack_params,
+    params_digest,
+    record_words,
+)
+from ipc_dpsample.layout import TOP_K_DISABLED, reference_verify_batch_vocab, verify_params
+from ipc_dpsample.protocol import Dtype
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
+POISON = 0x5A5A5A5A
+
+_EMULATION = r"""
+#include <barrier>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+Dim blockDim, gridDim;
+static std::barrier<>* g_barrier = nullptr;
+#define DP_ARGMAX_CPU_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(x)
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
+#include "verify.cu"
+
+static std::mutex g_launch;  // one kernel at a time: the statics stand for one SM
+static void launch(unsigned grid, unsigned block, const std::function<void()>& body) {
+  std::lock_guard<std::mutex> lock(g_launch);
+  gridDim.x = grid;
+  blockDim.x = block;
+  std::barrier<> bar(block);
+  g_barrier = &bar;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t]() {
+      threadIdx.x = t;
+      for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        body();
+        bar.arrive_and_wait();
+      }
+    });
+  for (auto& th : threads) th.join();
+}
+extern "C" void emu_records(unsigned grid, unsigned block, u64 src, u64 cand, i64 kcap,
+                            i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host, u64 params,
+                            i64 rows, i64 ncols, i64 col0, i64 vocab_limit, i64 dtype_code,
+                            i64 n, u64 out_words) {
+  launch(grid, block, [=]() {
+    dp_verify_records(src, cand, kcap, want_lp, digest, bs_ptr, bs_host, params, rows, ncols,
+                      col0, vocab_limit, dtype_code, n, out_words);
+  });
+}
+extern "C" void emu_combine(unsigned grid, unsigned block, u64 cand, i64 kcap, i64 want_lp,
+                            i64 digest, u64 bs_ptr, i64 bs_host, u64 recs, u64 params, i64 tp,
+                            i64 reqs, i64 n, i64 req0, u64 predict, u64 accept_index,
+                            u64 accept_length, u64 logprobs, u64 err_word) {
+  launch(grid, block, [=]() {
+    dp_verify_combine(cand, kcap, want_lp, digest, bs_ptr, bs_host, recs, params, tp, reqs, n,
+                      req0, predict, accept_index, accept_length, logprobs, err_word);
+  });
+}
+extern "C" void emu_noise(u64 key, const unsigned* ids, i64 count, float* out) {
+  for (i64 i = 0; i < count; ++i) out[i] = dv_noise(key, ids[i]);
+}
+extern "C" void emu_stream_key(i64 seed, i64 offset, unsigned d, u64* out) {
+  DvParams p{};
+  p.seed = seed;
+  p.offset = offset;
+  *out = dv_stream_key(p, d);
+}
+extern "C" void emu_mass(const float* z, i64 count, double* grp, i64* a) {
+  for (i64 i = 0; i < count; ++i) dv_mass_term(z[i], grp + i, a + i);
+}
+extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out) {
+  for (i64 i = 0; i < count; ++i) out[i] = dv_top_p_threshold(p[i], w[i]);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("needs g++ (C++20) to emulate the verify kernels on the CPU")
+    work = tmp_path_factory.mktemp("verify_emulation")
+    (work / "emulate.cpp").write_text(_EMULATION)
+    so = work / "libverify_emulation.so"
+    cmd = [gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-Wall", "-Werror"]
+    cmd += ["-Wno-unknown-pragmas", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
+    cmd += [str(work / "emulate.cpp"), "-o", str(so), "-lpthread"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and ("barrier" in proc.stderr or "c++20" in proc.stderr):
+        pytest.skip(f"g++ lacks C++20 <barrier>: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    lib = ctypes.CDLL(str(so))
+    u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
+    lib.emu_records.argtypes = [c, c, u, u, i, i, i, u, i, u, i, i, i, i, i, i, u]
+    lib.emu_combine.argtypes = [c, c, u, i, i, i, u, i, u, u, i, i, i, i, u, u, u, u, u]
+    lib.emu_noise.argtypes = [u, u, i, u]
+    lib.emu_stream_key.argtypes = [i, i, c, u]
+    lib.emu_mass.argtypes = [u, i, u, u]
+    lib.emu_threshold.argtypes = [u, u, i, u]
+    return lib
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> what a rank holds (bfloat16: round-to-nearest-even uint16 bits)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return x.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+def run_kernels(
+    lib: Any,
+    shards: list[np.ndarray],
+    cand: np.ndarray,
+    prm: dict[str, Any],
+    *,
+    dtype: str,
+    vocab_limit: int | None = None,
+    bs: int | None = None,
+    bs_on_device: bool = False,
+    want_lp: bool = True,
+    block: int = 32,
+    grid: int = 3,
+    digests: list[int] | None = None,
+) -> tuple[tuple[np.ndarray, ...], list[int]]:
+    """Records on every rank, the all-to-all, the combine on every owner; returns
+    (predict, accept_index, accept_length, logprobs) of the whole batch and every owner's
+    error word."""
+    tp = len(shards)
+    pad_bs, n = cand.shape
+    rows, vs = shards[0].shape
+    params = verify_params(
+        pad_bs=pad_bs,
+        num_tokens_per_req=n,
+        vocab_size=vs * tp,
+        vocab_limit=vocab_limit,
+        bs=bs,
+        **prm,
+    )
+    assert kernel_path_refusal(params, tp) is None
+    packed = pack_params(params)
+    cap = list_cap(params)
+    words = record_words(cap)
+    digest = params_digest(params, packed, cap, want_lp)
+    bs_word = np.array([params.bs], np.int32)
+    bs_ptr, bs_host = (_addr(bs_word), -5) if bs_on_device else (0, params.bs)
+    code = int(Dtype[dtype.upper()])
+    records = []
+    for s in range(tp):
+        out = np.full((rows, words), POISON, np.uint32)
+        dg = digest if digests is None else digests[s]
+        lib.emu_records(grid, block, _addr(shards[s]), _addr(cand), cap, int(want_lp), dg,
+                        bs_ptr, bs_host, _addr(packed), rows, vs, s * vs, params.vocab_limit,
+                        code, n, _addr(out))  # fmt: skip
+        records.append(out)
+    r = pad_bs // tp
+    predict = np.full((pad_bs, n), POISON, np.int32)
+    accept_index = np.full((pad_bs, n), POISON, np.int32)
+    accept_length = np.full(pad_bs, POISON, np.int32)
+    logprobs = np.full((pad_bs, n), np.nan, np.float32)
+    errors = []
+    for o in range(tp):
+        recs = np.ascontiguousarray(np.stack([rec[o * r * n : (o + 1) * r * n] for rec in records]))
+        outs = [predict[o * r :], accept_index[o * r :], accept_length[o * r :], logprobs[o * r :]]
+        err = np.zeros(1, np.uint32)
+        dg = digest if digests is None else digests[o]
+        lib.emu_combine(grid, block, _addr(cand), cap, int(want_lp), dg, bs_ptr, bs_host,
+                        _addr(recs), _addr(packed), tp, r, n, o * r, *(_addr(a) for a in outs),
+                        _addr(err))  # fmt: skip
+        errors.append(int(err[0]))
+    return (predict, accept_index, accept_length, logprobs), errors
+
+
+def _params(g: np.random.Generator, pad_bs: int, mode: str) -> dict[str, Any]:
+    def pick(values: tuple[Any, ...], dtype: Any) -> np.ndarray:
+        return np.asarray(g.choice(np.asarray(values), pad_bs)).astype(dtype)
+
+    out: dict[str, Any] = {
+        "temperature": pick((0.5, 0.7, 1.0, 1.3), np.float32),
+        "seed": g.integers(-(2**62), 2**62, pad_bs, dtype=np.int64),
+        "offset": g.integers(0, 2**40, pad_bs, dtype=np.int64),
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+    }
+    if mode == "greedy":
+        out["temperature"] = pick((0.0, 5e-7), np.float32)
+    elif mode == "top_k":
+        out["top_k"] = pick((1, 2, 5, 50, 128, 0, TOP_K_DISABLED), np.int32)
+    elif mode == "top_k_top_p":
+        out["top_k"] = pick((5, 50, 128), np.int32)
+        out["top_p"] = pick((0.3, 0.9, 0.99), np.float32)
+    elif mode == "top_k_min_p":
+        out["top_k"] = pick((3, 40, 128), np.int32)
+        out["top_p"] = pick((1.0, 0.8), np.float32)
+        out["min_p"] = pick((0.05, 0.3), np.float32)
+    elif mode == "mixed":
+        out["temperature"] = pick((0.0, 0.7, 1.0), np.float32)
+        out["top_k"] = pick((0, 0, 1, 3, 50, TOP_K_DISABLED), np.int32)
+        # top-p / min-p only where top-k is on (the kernels' domain)
+        on = (out["top_k"] >= 2) & (out["top_k"] <= 128)
+        out["top_p"] = np.where(on, pick((1.0, 0.5, 0.95), np.float32), 1).astype(np.float32)
+        out["min_p"] = np.where(on, pick((0.0, 0.1), np.float32), 0).astype(np.float32)
+    return out
+
+
+def _logits(g: np.random.Generator, rows: int, v: int, scale: float, specials: bool) -> np.ndarray:
+    x = (g.standard_normal((rows, v)) * scale).astype(np.float32)
+    x[np.abs(x) < 1e-3] = 0.75
+    if specials and rows >= 8:
+        x[0] = -np.inf
+        x[1, int(g.integers(v))] = np.nan
+        x[2, int(g.integers(v))] = np.inf
+        x[3, : v // 2] = -np.inf
+        x[4, int(g.integers(v))] = 6.0e4
+        x[5] = 1.5  # every column ties
+        x[6, :: 3] = 2.0  # many ties at the top
+        x[7, 5] = -0.0
+        x[7, 6] = 0.0
+    return x
+
+
+def _check(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], real: int, what: str) -> None:
+    for name, gv, wv in zip(("predict", "accept_index", "accept_length"), got, want, strict=False):
+        bad = np.argwhere(gv[:real] != wv[:real])
+        assert not len(bad), f"{what}: {name} differs at {bad[:4].tolist()}: {gv[:real]} vs {wv[:real]}"
+    if len(want) == 4:
+        lw, lg = want[3][:real], got[3][:real]
+        assert np.array_equal(np.isnan(lw), np.isnan(lg)), f"{what}: NaN pattern of logprobs"
+        ok = ~np.isnan(lw)
+        ulps = np.abs(lg[ok].view(np.int32).astype(np.int64) - lw[ok].view(np.int32))
+        assert not ulps.size or ulps.max() <= 1, f"{what}: logprobs off by {ulps.max()} ulp"
+
+
+def _case(lib: Any, seed: int, *, tp: int, vs: int, n: int, pad_bs: int, dtype: str, mode: str,
+          vocab_limit: int | None = None, bs: int | None = None, bs_on_device: bool = False,
+          want_lp: bool = True, scale: float = 2.0, specials: bool = False,
+          block: int = 32) -> None:  # fmt: skip
+    g = np.random.default_rng([seed, tp, vs, n, pad_bs])
+    v = vs * tp
+    full = _encode(_logits(g, pad_bs * n, v, scale, specials), dtype)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = _params(g, pad_bs, mode)
+    kw = dict(tp=tp, pad_bs=pad_bs, dtype=dtype, vocab_limit=vocab_limit, bs=bs)
+    first = reference_verify_batch_vocab(shards, np.zeros((pad_bs, n), np.int32), **kw, **prm)
+    # candidates that follow the sampled tokens for a random number of drafts
+    cand = g.integers(0, v, (pad_bs, n)).astype(np.int32)
+    for req in range(pad_bs):
+        keep = int(g.integers(0, n))
+        cand[req, 1 : keep + 1] = first[0][req, :keep]
+    want = reference_verify_batch_vocab(shards, cand, **kw, **prm, return_logprobs=want_lp)
+    got, errors = run_kernels(lib, shards, cand, prm, dtype=dtype, vocab_limit=vocab_limit,
+                              bs=bs, bs_on_device=bs_on_device, want_lp=want_lp, block=block)  # fmt: skip
+    assert errors == [0] * tp
+    real = pad_bs if bs is None else bs
+    _check(got if want_lp else got[:3], want, real, f"{mode} {dtype} tp={tp} vs={vs} n={n}")
+    # requests >= bs are not written
+    assert (got[2][real:] == POISON).all()
+
+
+# -- the pieces against the reference ------------------------------------------------------
+def test_noise_and_stream_key_match_layout(lib: Any) -> None:
+    from ipc_dpsample.layout import gumbel_noise, noise_stream_key
+
+    g = np.random.default_rng(5)
+    for _ in range(20):
+        seed, off = int(g.integers(-(2**62), 2**62)), int(g.integers(-(2**62), 2**62))
+        d = int(g.integers(0, 8))
+        out = np.zeros(1, np.uint64)
+        lib.emu_stream_key(seed, off, d, _addr(out))
+        with np.errstate(over="ignore"):
+            want = noise_stream_key(np.array([seed]), np.array([off]) + d)[0]
+        assert out[0] == want
+        ids = g.integers(0, 2**21, 4096).astype(np.uint32)
+        noise = np.zeros(len(ids), np.float32)
+        lib.emu_noise(int(out[0]), _addr(ids), len(ids), _addr(noise))
+        assert np.array_equal(noise.view(np.int32), gumbel_noise(out[0], ids).view(np.int32))
+
+
+def test_mass_terms_and_threshold_match_layout(lib: Any) -> None:
+    from ipc_dpsample.layout import mass_terms, top_p_threshold
+
+    g = np.random.default_rng(6)
+    z = np.concatenate([g.normal(0, 30, 5000), [0.0, -0.0, 1e-30, 80.0, -80.0, 3e38]])
+    z = z.astype(np.float32)
+    grp, a = np.zeros(len(z)), np.zeros(len(z), np.int64)
+    lib.emu_mass(_addr(z), len(z), _addr(grp), _addr(a))
+    wg, wa = mass_terms(z)
+    assert np.array_equal(grp, wg) and np.array_equal(a, wa)
+    p = np.concatenate([g.uniform(0, 1, 3000), [1e-45, 1e-40, 2**-24, 0.5, 0.99999994]])
+    p = p.astype(np.float32)
+    w = g.integers(0, 2**53, len(p), dtype=np.int64)
+    w[:5] = [0, 1, 2**53 - 1, 3, 2**40]
+    out = np.zeros(len(p), np.int64)
+    lib.emu_threshold(_addr(p), _addr(w), len(p), _addr(out))
+    assert np.array_equal(out, top_p_threshold(p, w))
+
+
+# -- whole calls ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["greedy", "temperature", "top_k", "top_k_top_p", "top_k_min_p", "mixed"])
+def test_kernels_match_reference(lib: Any, mode: str, dtype: str) -> None:
+    for tp in (1, 2, 3):
+        _case(lib, 11, tp=tp, vs=203, n=3, pad_bs=2 * tp, dtype=dtype, mode=mode,
+              specials=mode in ("mixed", "greedy", "top_k"))  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_kernels_wide_tp(lib: Any, tp: int) -> None:
+    _case(lib, 12, tp=tp, vs=150, n=2, pad_bs=tp, dtype="float32", mode="mixed", specials=True)
+    _case(lib, 13, tp=tp, vs=150, n=2, pad_bs=tp, dtype="bfloat16", mode="top_k_top_p")
+
+
+def test_kernels_real_rows_and_vocab_limit(lib: Any) -> None:
+    # bs < pad_bs (host and device scalar), vocab_limit cutting a shard and whole shards
+    _case(lib, 14, tp=3, vs=101, n=2, pad_bs=6, dtype="float32", mode="mixed", bs=4,
+          vocab_limit=250, specials=True)  # fmt: skip
+    _case(lib, 15, tp=4, vs=64, n=3, pad_bs=8, dtype="float16", mode="top_k", bs=5,
+          bs_on_device=True, vocab_limit=70)  # fmt: skip
+    _case(lib, 16, tp=2, vs=80, n=2, pad_bs=4, dtype="float32", mode="temperature", bs=0)
+
+
+def test_kernels_flat_and_peaked_rows(lib: Any) -> None:
+    # flat rows (small scale): nuclei of many tokens, ties of scores far apart; peaked
+    # rows (large scale): pruning of the temperature pass
+    for scale in (0.05, 8.0):
+        for mode in ("temperature", "top_k_top_p"):
+            _case(lib, 17, tp=2, vs=301, n=2, pad_bs=4, dtype="float32", mode=mode,
+                  scale=scale, want_lp=False)  # fmt: skip
+
+
+def test_kernels_n1_and_block_sizes(lib: Any) -> None:
+    _case(lib, 18, tp=2, vs=97, n=1, pad_bs=4, dtype="float32", mode="mixed", specials=False)
+    for block in (1, 8, 256):
+        _case(lib, 19, tp=2, vs=130, n=2, pad_bs=4, dtype="bfloat16", mode="top_k", block=block)
+
+
+def test_combine_reports_a_rank_with_other_parameters(lib: Any) -> None:
+    g = np.random.default_rng(20)
+    tp, vs, n, pad_bs = 3, 64, 2, 3
+    full = _logits(g, pad_bs * n, vs * tp, 2.0, False)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = _params(g, pad_bs, "temperature")
+    cand = np.zeros((pad_bs, n), np.int32)
+    _, errors = run_kernels(lib, shards, cand, prm, dtype="float32", digests=[7, 7, 9])
+    # owners 0 and 1 see rank 2's digest 9 (source 2 -> 3); owner 2 sees source 0
+    assert errors == [3, 3, 1]
+
+
+def test_refusals_name_the_reason() -> None:
+    prm = _params(np.random.default_rng(1), 4, "greedy")
+    params = verify_params(pad_bs=4, num_tokens_per_req=2, vocab_size=400, **prm)
+    assert kernel_path_refusal(params, 2) is None
+    prm["temperature"] = np.ones(4, np.float32)
+    prm["top_p"] = np.array([1, 1, 0.9, 1], np.float32)
+    params = verify_params(pad_bs=4, num_tokens_per_req=2, vocab_size=400, **prm)
+    assert "request 2 has top_p=0.9" in str(kernel_path_refusal(params, 2))
+    # phantom requests do not count
+    params = verify_params(pad_bs=4, num_tokens_per_req=2, vocab_size=400, bs=2, **prm)
+    assert kernel_path_refusal(params, 2) is None
+    prm["top_p"] = None
+    prm["top_k"] = np.full(4, 128, np.int32)
+    params = verify_params(pad_bs=4, num_tokens_per_req=2, vocab_size=4000, **prm)
+    assert kernel_path_refusal(params, 8) is None
+    assert "merge entries" in str(kernel_path_refusal(params, 16))
