@@ -21,6 +21,7 @@
 
 #include "dp_common.cuh"
 #include "argmax.cuh"
+#include "verify.cuh"
 
 // Block-wide copy of n bytes using the widest vector the relative alignment of
 // dst and src allows: scalar head until dst is aligned, vector body, scalar tail.
@@ -428,6 +429,125 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
   if (threadIdx.x == 0) {
     ctrl[DP_CTRL_COUNTER] = 0;
     ctrl[DP_CTRL_EPOCH] = e;
+  }
+}
+
+// verify_batch_vocab (issue 24): sampled verify without moving logits, two launches.
+// dp_verify_push: every CTA reduces real rows of this rank's shard to records
+// (verify.cuh) written straight into the row owner's verify region (parity e & 1, slot
+// [this rank][row of the owner]), then publishes them as the swap publishes its tiles:
+// a counter bump per CTA, and the last CTA alone fences, signals every peer's flag and
+// waits for every peer's (signature: op, dtype, pad_bs, bs). dp_verify_finish, next on
+// the stream: every CTA combines this rank's real requests from the region the push
+// filled (its parity from the epoch the push left) into int32 predict / accept_index /
+// accept_length and float32 logprobs of this rank's requests, which dp_gather_ll then
+// all-gathers. A record whose parameter digest or candidate differs from this rank's is
+// reported as DP_ERR_PARAMS (ranks passed different arguments).
+#define DP_ERR_PARAMS 3u
+
+template <typename Tag>
+__device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
+                                                 u32 kcap, bool want_lp, u32 digest,
+                                                 u32 real_rows, u32 rpd, u32 ncols, u32 limit,
+                                                 const DvParams* prm, u64 region,
+                                                 DvRecordShared& sh) {
+  const u64* peers = (const u64*)d.peers;
+  const u32 col0 = d.rank * ncols;
+  const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
+  const u64 rec_words = DV_HDR + 2 * kcap;
+  for (u32 g = blockIdx.x; g < real_rows; g += gridDim.x) {
+    const u32 req = g / d.n, pos = g - req * d.n;
+    const u32 dest = g / rpd, i = g - dest * rpd;
+    unsigned* rec = (unsigned*)(peers[dest] + region) + ((u64)d.rank * rpd + i) * rec_words;
+    dv_row_record<Tag>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0,
+                       prm[req], pos, kcap, want_lp, (unsigned)cand[g], digest, rec, sh);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(DV_BLOCK)
+    dp_verify_push(u64 src_ptr, u64 cand_ptr, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
+                   i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
+                   i64 dtype_code, u64 sig, u64 params_ptr, u64 region_off, i64 region_bytes) {
+  __shared__ DvRecordShared sh;
+  u32* ctrl = dp_ctrl(d);
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  const u32 e = s.e, parity = s.parity, full_sig = s.sig;
+  const u64 region = region_off + (u64)(parity & d.parity_mask) * (u64)region_bytes;
+  const u32 rpd = (u32)(pad_bs / d.tp) * d.n;
+  const u32 real_rows = s.bs * d.n;
+  const u32 active = dp_active_ctas(real_rows);  // see dp_swap_push
+  if (s.broken || blockIdx.x >= active) return;
+  const int* cand = (const int*)cand_ptr;
+  const DvParams* prm = (const DvParams*)params_ptr;
+  const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
+  if (dtype_code == 1)
+    verify_push_rows<ArgmaxBf16>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc,
+                                 lim, prm, region, sh);
+  else if (dtype_code == 2)
+    verify_push_rows<ArgmaxF16>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc, lim,
+                                prm, region, sh);
+  else
+    verify_push_rows<ArgmaxF32>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc, lim,
+                                prm, region, sh);
+
+  __shared__ u32 last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#if DP_SWAP_CTA_RELEASE_GPU
+    const u32 prev = atom_add_acq_rel_gpu(&ctrl[DP_CTRL_COUNTER], 1u);
+#else
+    fence_sys();
+    const u32 prev = atomicAdd(&ctrl[DP_CTRL_COUNTER], 1u);
+#endif
+    last = (prev == active - 1) ? 1u : 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  fence_sys();  // every CTA's records before the flags, at system scope
+  const u64 word = ((u64)e << 32) | full_sig;
+  const u64* peers = (const u64*)d.peers;
+  if (threadIdx.x < d.tp) {
+    st_release_sys(dp_flag(d, peers[threadIdx.x], d.flags_off, parity, d.rank), word);
+    dp_wait_flag(d, dp_flag(d, d.base, d.flags_off, parity, threadIdx.x), e, threadIdx.x,
+                 full_sig);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ctrl[DP_CTRL_COUNTER] = 0;
+    ctrl[DP_CTRL_EPOCH] = e;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(DV_BLOCK)
+    dp_verify_finish(u64 cand_ptr, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
+                     DpDesc d, i64 pad_bs, u64 sig, u64 params_ptr, u64 region_off,
+                     i64 region_bytes, u64 out_predict, u64 out_accept_index,
+                     u64 out_accept_length, u64 out_logprobs) {
+  __shared__ DvCombineShared sh;
+  const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
+  if (s.broken) return;  // the push failed: nothing arrived
+  const u32 e = s.e - 1u;  // the push that just finished
+  const unsigned* region =
+      (const unsigned*)(d.base + region_off + (u64)(e & 1u & d.parity_mask) * (u64)region_bytes);
+  const u32 R = (u32)(pad_bs / d.tp), n = d.n;
+  const u32 mine = dp_real_reqs(s.bs, d.rank, R);
+  const u32 rec_words = DV_HDR + 2 * (u32)kcap;
+  const DvParams* prm = (const DvParams*)params_ptr;
+  const int* cand = (const int*)cand_ptr;
+  for (u32 i = blockIdx.x; i < mine; i += gridDim.x) {
+    const u32 req = d.rank * R + i;
+    const unsigned bad = dv_combine_request(
+        region, d.tp, R * n, rec_words, (u32)kcap, i, n, prm[req], cand + (u64)req * n,
+        (u32)digest, want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
+        (int*)out_accept_index + (u64)i * n, (int*)out_accept_length + i,
+        (float*)out_logprobs + (u64)i * n, sh);
+    if (bad != DV_NO_ID) {  // uniform over the CTA
+      if (threadIdx.x == 0) {
+        const unsigned* r = region + ((u64)bad * R * n + (u64)i * n) * rec_words;
+        dp_report(d, DP_ERR_PARAMS, bad, s.sig, e, ((u64)r[DV_W_CAND] << 32) | r[DV_W_DIGEST]);
+      }
+      return;
+    }
   }
 }
 

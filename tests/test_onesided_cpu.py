@@ -60,6 +60,7 @@ def test_arena_layout_regions_are_aligned_disjoint_and_large_enough(tp, max_pad_
         ("logprobs", lay.out_off("logprobs"), max_pad_bs * n * 4),
         ("argmax_ids", lay.out_off("argmax_ids"), r * n * 4),
         ("argmax_logprobs", lay.out_off("argmax_logprobs"), r * n * 4),
+        ("verify", lay.verify_off, 2 * tp * r * n * (12 + 2 * 128) * 4),
     ]
     assert lay.probe_off >= 12  # after epoch, counter, broken
     end = 0

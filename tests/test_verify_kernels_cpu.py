@@ -385,6 +385,29 @@ def test_kernels_n1_and_block_sizes(lib: Any) -> None:
         _case(lib, 19, tp=2, vs=130, n=2, pad_bs=4, dtype="bfloat16", mode="top_k", block=block)
 
 
+def test_top_p_boundary_is_exclusive(lib: Any) -> None:
+    # two equal maxima, top-k 2, top-p 0.5: the second column's mass-before equals
+    # ceil(0.5 * W) exactly, so only the first (lower id) survives, whatever the noise
+    tp, vs, n, pad_bs = 2, 40, 1, 64
+    g = np.random.default_rng(21)
+    full = (g.standard_normal((pad_bs, vs * tp)) - 20).astype(np.float32)
+    full[:, 7] = full[:, vs + 3] = 5.0
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = {
+        "temperature": np.ones(pad_bs, np.float32),
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": np.full(pad_bs, 2, np.int32),
+        "top_p": np.full(pad_bs, 0.5, np.float32),
+        "min_p": None,
+    }
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, _ = run_kernels(lib, shards, cand, prm, dtype="float32")
+    assert (got[0][:, 0] == 7).all()
+    want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
+    assert np.array_equal(got[0], want[0])
+
+
 def test_combine_reports_a_rank_with_other_parameters(lib: Any) -> None:
     g = np.random.default_rng(20)
     tp, vs, n, pad_bs = 3, 64, 2, 3

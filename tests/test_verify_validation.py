@@ -1,9 +1,9 @@
 """``verify_batch_vocab``'s argument checks (a tp = 1 communicator in this process):
 every bad shape, dtype, device, type or value raises ValueError / TypeError naming the
 argument and the expected value, before anything is exchanged, and a valid call right
-after works; the op code and the divergence message; the backends without the op
-(onesided and nccl, through the CPU fakes) raise
-BackendUnavailableError saying where it runs."""
+after works; the op code and the divergence message; the one-sided backend's route
+for batches its kernels cannot decide; the backend without the op (nccl, through the
+CPU fakes) raises BackendUnavailableError saying where it runs."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _assert_unavailable(exc: BaseException) -> None:
     text = str(exc)
     assert isinstance(exc, BackendUnavailableError), repr(exc)
     assert "verify_batch_vocab" in text and 'backend="torch"' in text, text
-    assert "NCCL" in text and "gloo" in text and "planned" in text, text
+    assert 'backend="onesided"' in text and "NCCL" in text and "gloo" in text, text
 
 
 def _backend_args(cfg_n: int = N) -> tuple[Any, ...]:
@@ -182,19 +182,32 @@ def _backend_args(cfg_n: int = N) -> tuple[Any, ...]:
     return x, describe(x), cand, describe(cand), params
 
 
-def test_onesided_backend_raises_backend_unavailable() -> None:
-    """Built without CUDA (``__new__``): the method touches no state before it raises."""
-    from ipc_dpsample.backends.onesided import OnesidedBackend
+def test_onesided_backend_moves_the_logits_for_top_p_without_top_k(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built without CUDA (``__new__``): a batch whose request has top-p but no top-k
+    goes to verify_by_swap before any kernel state is touched, saying why."""
+    from types import SimpleNamespace
 
-    backend = OnesidedBackend.__new__(OnesidedBackend)
-    x, xi, cand, ci, params = _backend_args()
-    with pytest.raises(BackendUnavailableError) as info:
-        backend.verify_batch_vocab(
-            x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=False,
-            bs=RealRows.every(PAD_BS), stream=None,
-        )  # fmt: skip
-    _assert_unavailable(info.value)
-    assert "one-sided" in str(info.value)
+    from ipc_dpsample.backends.onesided import backend as onesided
+
+    backend = onesided.OnesidedBackend.__new__(onesided.OnesidedBackend)
+    backend.cfg = SimpleNamespace(tp_size=2, rank=1)  # type: ignore[assignment]
+    backend.device = 0
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(onesided, "verify_by_swap", lambda *a, **k: calls.append(k) or ("ok",))
+    x, xi, cand, ci, _ = _backend_args()
+    params = verify_params(
+        pad_bs=PAD_BS, num_tokens_per_req=N, vocab_size=V,
+        temperature=np.ones(PAD_BS, np.float32), seed=np.ones(PAD_BS, np.int64),
+        offset=np.ones(PAD_BS, np.int64), top_p=np.full(PAD_BS, 0.9, np.float32),
+    )  # fmt: skip
+    out = backend.verify_batch_vocab(
+        x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=True,
+        bs=RealRows.every(PAD_BS), stream=None,
+    )  # fmt: skip
+    assert out == ("ok",) and calls[0]["rank"] == 1 and calls[0]["tp"] == 2
+    assert backend.last_verify_path.startswith("swap: request 0 has top_p=0.9 / min_p=0")
 
 
 def test_nccl_backend_raises_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,8 +143,7 @@ def verify_unavailable(why: str) -> BackendUnavailableError:
     where the op runs in this version."""
     return BackendUnavailableError(
         f"verify_batch_vocab is not available here: {why}. In this version the op runs on "
-        'the torch backend: build the communicator with backend="torch" (and without '
-        "fallback_comm_backend); it moves CUDA tensors over NCCL (gloo for ranks that "
-        "share a GPU) and CPU tensors over gloo. GPU kernels for the onesided and nccl "
-        "backends are planned"
+        'the onesided backend (CUDA IPC, ranks on one host: backend="onesided") and on '
+        'the torch backend (backend="torch", without fallback_comm_backend; it moves CUDA '
+        "tensors over NCCL, gloo for ranks that share a GPU, and CPU tensors over gloo)"
     )

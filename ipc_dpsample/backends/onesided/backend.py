@@ -39,16 +39,40 @@ from ...errors import DpSampleError, PeerTimeoutError
 from ...group import HostGroup
 from ...kernel_cache import get_kernel
 from ...protocol import Call, Dtype, Op, divergence_message
-from ..base import Backend, RealRows, verify_unavailable
+from ...layout import VerifyParams
+from ..base import Backend, RealRows
 from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
+from ..verify_plan import (
+    PARAMS_DTYPE,
+    kernel_path_refusal,
+    list_cap,
+    pack_params,
+    params_digest,
+)
+from ..verify_swap import verify_by_swap
 from .arena import SOURCE, Connection, teardown
-from .contract import ERR_TIMEOUT, DpErrorBlock, pack_signature, unpack_signature
+from .contract import (
+    ERR_PARAMS,
+    ERR_TIMEOUT,
+    DpErrorBlock,
+    pack_signature,
+    unpack_signature,
+)
 
 __all__ = ["OnesidedBackend", "SwapPlan", "swap_block"]
 
 GATHER_BLOCK = 512
 _EPOCH_LIMIT = 2**32 - 4  # epochs are 32-bit in the flags and LL packets
-_KERNELS = ("dp_swap_push", "dp_gather_ll", "dp_swap_enter", "dp_swap_copy_out", "dp_argmax")
+_KERNELS = (
+    "dp_swap_push",
+    "dp_gather_ll",
+    "dp_swap_enter",
+    "dp_swap_copy_out",
+    "dp_argmax",
+    "dp_verify_push",
+    "dp_verify_finish",
+)
+VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh
 ARGMAX_BLOCK = 256  # DP_ARGMAX_BLOCK in onesided.cu
 #: argmax CTAs per SM: one CTA reduces one row at a time, and several ranks' CTAs
 #: share the SMs when ranks share a GPU
@@ -152,6 +176,10 @@ class OnesidedBackend(Backend):
         self._swap_plans: dict[int, SwapPlan] = {}
         self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._argmax_plans: dict[tuple[int, int], PreparedLaunch] = {}
+        self._verify_plans: dict[tuple[int, int], tuple[PreparedLaunch, PreparedLaunch]] = {}
+        self._verify_bufs: Any = None  # device params and this rank's results, made lazily
+        #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
+        self.last_verify_path = ""
         # ranks that are threads of one process must not share a stream
         claim = getattr(group, "claim_stream", None) if cfg.tp_size > 1 else None
         self._threads = claim is not None
@@ -173,6 +201,7 @@ class OnesidedBackend(Backend):
             self._logits_dtype = logits_dtype
             self._swap_plans.clear()
             self._argmax_plans.clear()
+            self._verify_plans.clear()
             self._views.drop(lambda key: isinstance(key, tuple) and key[0] == "swap")
 
     def _begin(self, handle: int) -> bool:
@@ -381,6 +410,57 @@ class OnesidedBackend(Backend):
         return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
 
     # -- verify -------------------------------------------------------------------
+    def _verify_buffers(self) -> Any:
+        """Device ``DvParams [max_pad_bs]`` and this rank's results (int32 predict and
+        accept_index ``[R_max, N]``, accept_length ``[R_max]``, float32 logprobs
+        ``[R_max, N]``), which the gathers read. Allocated on first use."""
+        if self._verify_bufs is None:
+            import cupy
+
+            cfg = self.cfg
+            r, n = cfg.max_pad_bs // cfg.tp_size, cfg.num_tokens_per_req
+            with cupy.cuda.Device(self.device):
+                self._verify_bufs = (
+                    cupy.zeros(cfg.max_pad_bs * PARAMS_DTYPE.itemsize, cupy.uint8),
+                    cupy.zeros((r, n), cupy.int32),
+                    cupy.zeros((r, n), cupy.int32),
+                    cupy.zeros(r, cupy.int32),
+                    cupy.zeros((r, n), cupy.float32),
+                )
+        return self._verify_bufs
+
+    def _verify_plan(self, pad_bs: int, vocab_limit: int) -> tuple[PreparedLaunch, PreparedLaunch]:
+        plan = self._verify_plans.get((pad_bs, vocab_limit))
+        if plan is not None:
+            return plan
+        cfg, lay, desc = self.cfg, self.layout, self._desc
+        dtype = self._logits_dtype
+        assert dtype is not None
+        prm, pred, aidx, alen, lp = self._verify_buffers()
+        sig = self._sig(Op.VERIFY, dtype, pad_bs)
+        vs = cfg.vocab_size // cfg.tp_size
+        region = (lay.verify_off, lay.verify_region_bytes)
+        rows = pad_bs * cfg.num_tokens_per_req
+        push = self._launch(
+            "dp_verify_push",
+            max(1, min(rows, self._max_argmax_grid)),
+            VERIFY_BLOCK,
+            (0,) * 7
+            + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, int(prm.data.ptr))
+            + region,
+            7,
+        )
+        outs = (int(a.data.ptr) for a in (pred, aidx, alen, lp))
+        finish = self._launch(
+            "dp_verify_finish",
+            max(1, pad_bs // cfg.tp_size),
+            VERIFY_BLOCK,
+            (0,) * 6 + (desc, pad_bs, sig, int(prm.data.ptr), *region, *outs),
+            6,
+        )
+        plan = self._verify_plans[(pad_bs, vocab_limit)] = (push, finish)
+        return plan
+
     def verify_batch_vocab(
         self,
         x: Any,
@@ -389,14 +469,67 @@ class OnesidedBackend(Backend):
         candidates_info: ArrayInfo,
         *,
         pad_bs: int,
-        params: Any,
+        params: VerifyParams,
         return_logprobs: bool,
         bs: RealRows,
         stream: Any,
     ) -> tuple[Any, ...]:
-        """Not in this version: raises :class:`~ipc_dpsample.errors.BackendUnavailableError`
-        (the one-sided (CUDA IPC) kernels of this op are not written yet)."""
-        raise verify_unavailable("the one-sided (CUDA IPC) kernels of this op are not written yet")
+        """Two launches (``dp_verify_push``: records into the owners' arenas, one
+        signal round; ``dp_verify_finish``: the owners' combine and accept chain), then
+        ``dp_gather_ll`` of the results (and of the logprobs). A batch the kernels
+        cannot decide (top-p or min-p without top-k) takes
+        :func:`~ipc_dpsample.backends.verify_swap.verify_by_swap` instead."""
+        cfg = self.cfg
+        refusal = kernel_path_refusal(params, cfg.tp_size)
+        if refusal is not None:
+            self.last_verify_path = f"swap: {refusal}"
+            return verify_by_swap(
+                self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
+                return_logprobs=return_logprobs, bs=bs, stream=stream, tp=cfg.tp_size,
+                rank=cfg.rank, device=self.device,
+            )  # fmt: skip
+        import numpy as np
+
+        handle = resolve_stream(info.kind, stream, self.device)
+        if self._runtime.streamIsCapturing(handle) != 0:
+            raise DpSampleError(
+                "verify_batch_vocab cannot be captured in a CUDA graph in this version: "
+                "it reads the per-request parameters on the host when it is called"
+            )
+        capturing = self._begin(handle)
+        push, finish = self._verify_plan(pad_bs, params.vocab_limit)
+        prm, pred, aidx, alen, lp = self._verify_buffers()
+        packed = pack_params(params)
+        cap = list_cap(params)
+        digest = params_digest(params, packed, cap, return_logprobs)
+        packed = np.ascontiguousarray(packed)
+        # pageable source: the call returns once the bytes are staged, in stream order
+        self._runtime.memcpyAsync(
+            int(prm.data.ptr), packed.ctypes.data, packed.nbytes, 1, handle
+        )
+        cand = candidates_info.ptr
+        values = (info.ptr, cand, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
+        rows = max(1, bs.bs * cfg.num_tokens_per_req)
+        self._issue((push,), handle, values, Op.VERIFY, (push,), min(rows, self._max_argmax_grid))
+        r = pad_bs // cfg.tp_size
+        self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(r, bs.bs)))
+        self._host_epoch += 1
+        self._guard.end(handle, capturing)
+        self.last_verify_path = "kernels"
+        linfo = ArrayInfo(info.kind, int(pred.data.ptr), pred.shape, "int32", self.device, True)
+        ptrs = (int(pred.data.ptr), int(aidx.data.ptr), int(alen.data.ptr))
+        self._gather(0, ptrs, linfo, pad_bs, bs, stream)
+        base, lay, n = self.arena.ptr, self.layout, cfg.num_tokens_per_req
+        specs = [
+            (base + lay.out_off("predict"), (pad_bs, n), "int32"),
+            (base + lay.out_off("accept_index"), (pad_bs, n), "int32"),
+            (base + lay.out_off("accept_length"), (pad_bs,), "int32"),
+        ]
+        if return_logprobs:
+            self._gather(1, (int(lp.data.ptr), 0, 0), linfo, pad_bs, bs, stream)
+            specs.append((base + lay.out_off("logprobs"), (pad_bs, n), "float32"))
+        key = ("verify", pad_bs, return_logprobs)
+        return self._views.get_many(info.kind, key, specs)  # type: ignore[return-value]
 
     # -- tests --------------------------------------------------------------------
     def poison_for_testing(self, byte: int = 0xFF) -> None:
@@ -438,6 +571,14 @@ class OnesidedBackend(Backend):
                 op=Op.describe_code(mine.op),
                 expected_epoch=e.expected,
                 seen_epoch=seen_epoch,
+            )
+        elif e.code == ERR_PARAMS:
+            self._error = DpSampleError(
+                f"rank {e.rank}: peer rank {e.peer} called verify_batch_vocab with different "
+                "arguments (per-request parameters, candidates, vocab_limit, bs or "
+                f"return_logprobs; its candidate {e.seen >> 32} / digest "
+                f"{e.seen & 0xFFFFFFFF:#x} at the first differing row). Every rank must pass "
+                "the same values; this communicator is unusable: close it and build a new one"
             )
         else:
             theirs: Call = unpack_signature(e.seen & 0xFFFFFFFF, n)

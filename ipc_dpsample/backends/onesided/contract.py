@@ -31,7 +31,9 @@ _OP_SHIFT, _DTYPE_SHIFT, _GRAPH_SHIFT, _PAD_SHIFT = 29, 27, 26, 13
 _FIELD = MAX_SIG_PAD_BS
 #: ctrl words (u32) at the start of the arena, as in dp_common.cuh
 CTRL_EPOCH, CTRL_COUNTER, CTRL_BROKEN = 0, 1, 2
-ERR_TIMEOUT, ERR_MISMATCH = 1, 2
+ERR_TIMEOUT, ERR_MISMATCH, ERR_PARAMS = 1, 2, 3
+#: u32 words of the largest verify record (kernels/verify.cuh: DV_HDR + 2 * 128)
+VERIFY_RECORD_WORDS = 12 + 2 * 128
 #: persistent outputs, in DpDesc.out_off order
 OUTPUTS = (
     "predict",
@@ -207,8 +209,19 @@ class ArenaOffsets:
         return self.out_offsets[OUTPUTS.index(name)]
 
     @cached_property
+    def verify_region_bytes(self) -> int:
+        """One parity's ``verify_batch_vocab`` records: ``u32 [tp][R_max * N][268]``
+        (source-major: rank ``s`` writes its records of this rank's rows at block ``s``)."""
+        return _up(self.tp * self.swap_rows * VERIFY_RECORD_WORDS * 4)
+
+    @cached_property
+    def verify_off(self) -> int:
+        """The two verify regions (parity 0, then 1), after the outputs."""
+        return self.out_offsets[-1] + _up(self.swap_rows * 4)
+
+    @cached_property
     def total_bytes(self) -> int:
-        last = self.out_offsets[-1] + _up(self.swap_rows * 4)
+        last = self.verify_off + 2 * self.verify_region_bytes
         return _up(last, 2 << 20)
 
     def descriptor(

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# verify_batch_vocab on the GPU (issue 24): the one-sided tests and the benchmarks of
+# the issue, each step with its own time limit (environment T_<STEP> seconds, 0 skips
+# it); logs land in $OUT. Run from the repository root on the device machine:
+#     OUT=out bash scripts/device_verify.sh
+set -u
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
+step() {  # step SECONDS LOGFILE COMMAND...
+  local t=$1 log=$2; shift 2
+  [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
+  local t0=$SECONDS
+  echo "### $* (limit ${t}s)" >> "$log"
+  timeout -s "${STEP_SIGNAL:-TERM}" -k 10 "$t" "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
+  echo "[rc=$rc at ${SECONDS}s] $*"
+  tail -n 3 "$log"
+}
+py=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
+git rev-parse --short HEAD >> "$out/misc.log" 2>/dev/null
+STEP_SIGNAL=ABRT step "${T_VTEST:-300}" "$out/verify.log" "${py[@]}" tests/test_verify_onesided_gpu.py ${VTEST_K:+-k "$VTEST_K"}
+bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters "${BENCH_ITERS:-10}" --ops verify_batch_vocab)
+STEP_SIGNAL=ABRT step "${T_VBENCH:-200}" "$out/vbench.log" "${bench[@]}" --pad-bs 256 --dtype "${BENCH_DTYPES:-fp32,bf16}" --mode eager --verify-mix "${BENCH_MIXES:-temperature,topk50,topk50-topp0.9}" --out /tmp/vb256
+STEP_SIGNAL=ABRT step "${T_VBENCH8:-100}" "$out/vbench.log" "${bench[@]}" --pad-bs 8 --dtype fp32 --mode eager --verify-mix temperature,topk50 --out /tmp/vb8
+cp /tmp/vb256/*.md "$out/" 2>/dev/null
+exit 0

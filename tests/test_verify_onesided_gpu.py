@@ -1,0 +1,261 @@
+"""``verify_batch_vocab`` on the one-sided backend, on a real GPU: ranks as threads of
+this process (one stream each) and as processes sharing the GPU through CUDA IPC.
+
+Every call is checked against :func:`ipc_dpsample.layout.reference_verify_batch_vocab`
+on fresh random logits (never zeros; the special rows of ``tests/_verify_bodies.py``:
+NaN, ``±inf``, overflow, ties): ``predict``, ``accept_index``, ``accept_length`` bit for
+bit, logprobs within 1 float32 ulp. Outputs are poisoned (0xFF bytes) before each call
+and the rows of phantom requests must still hold the poison. Batches with top-p or
+min-p but no top-k take the swap path (``last_verify_path`` says which path ran).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+from typing import Any
+
+import numpy as np
+import pytest
+from _gpu_common import gpu_skip_reason, onesided_comm
+from _verify_bodies import (
+    Case,
+    accepting_candidates,
+    assert_logprobs,
+    encode,
+    logits,
+    params,
+    storage,
+)
+
+from ipc_dpsample import DpSampleError
+from ipc_dpsample.layout import reference_verify_batch_vocab
+from ipc_dpsample.testing import run_ranks, run_threads
+
+_REASON = gpu_skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+POISON32 = -1
+
+
+def _settle(comm: Any, what: str) -> None:
+    import torch
+
+    torch.cuda.current_stream().synchronize()
+    comm._group.barrier(timeout_s=60, what=what)
+
+
+def gpu_case(comm: Any, rank: int, tp: int, key: tuple[int, ...], case: Case) -> str:
+    """One call against the reference; returns the path the backend took."""
+    import torch
+
+    cfg = comm.config
+    n, v, dtype = cfg.num_tokens_per_req, cfg.vocab_size, comm.logits_dtype
+    vs, pad_bs = v // tp, case.pad_bs
+    full = encode(logits(key, pad_bs * n, v, scale=case.scale, specials=case.specials), dtype)
+    shards = [full[:, s * vs : (s + 1) * vs].contiguous() for s in range(tp)]
+    prm = params((*key, 1), pad_bs, case.mode)
+    bs_value = case.bs
+    if isinstance(case.bs, str):
+        bs_value = int(case.bs.split(":")[1])
+    ref_kw = dict(tp=tp, pad_bs=pad_bs, dtype=dtype, vocab_limit=case.vocab_limit, bs=bs_value)
+    inputs = [storage(s) for s in shards]
+    first = reference_verify_batch_vocab(inputs, np.zeros((pad_bs, n), np.int32), **ref_kw, **prm)
+    cand = accepting_candidates((*key, 2), first[0], v)
+    want = reference_verify_batch_vocab(
+        inputs, cand, **ref_kw, **prm, return_logprobs=case.return_logprobs
+    )
+    x, c = shards[rank].cuda(), torch.from_numpy(cand).cuda()
+    if case.kind == "cupy":
+        import cupy
+
+        x, c = cupy.from_dlpack(x), cupy.from_dlpack(c)
+
+    def arg(a: Any) -> Any:
+        if a is None or case.params_kind == "numpy":
+            return a
+        return torch.from_numpy(a).cuda()
+
+    bs_arg: Any = case.bs
+    if isinstance(case.bs, str):
+        bs_arg = torch.tensor(bs_value, dtype=torch.int32, device="cuda")
+    _settle(comm, "inputs")
+    comm._backend.poison_for_testing()
+    comm._group.barrier(timeout_s=60, what="poisoned")
+    outs = comm.verify_batch_vocab(
+        x,
+        c,
+        pad_bs=pad_bs,
+        vocab_limit=case.vocab_limit,
+        bs=bs_arg,
+        return_logprobs=case.return_logprobs,
+        **{k: arg(a) for k, a in prm.items()},
+    )
+    _settle(comm, "verified")
+    comm.check()
+    what = f"{case} {dtype} tp={tp} N={n} V={v} rank={rank}"
+    real = pad_bs if bs_value is None else bs_value
+    names = ("predict", "accept_index", "accept_length", "logprobs")
+    assert len(outs) == len(want), what
+    for name, got, w in zip(names, outs, want, strict=True):
+        g = got.get() if case.kind == "cupy" else got.cpu().numpy()
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, name, g.shape, g.dtype)
+        if name == "logprobs":
+            assert_logprobs(f"{what}: {name}", g[:real], w[:real])
+            assert (g[real:].view(np.int32) == POISON32).all(), f"{what}: phantom {name}"
+        else:
+            bad = np.argwhere(g[:real] != w[:real])
+            assert not len(bad), f"{what}: {name} differs at {bad[:4].tolist()}"
+            assert (g[real:] == POISON32).all(), f"{what}: a phantom {name} row was written"
+    path = comm._backend.last_verify_path
+    kernel_modes = ("greedy", "temperature", "top_k", "top_k_top_p")
+    if case.mode in kernel_modes:
+        assert path == "kernels", (what, path)
+    elif case.mode in ("top_p", "min_p"):
+        assert path.startswith("swap: "), (what, path)
+    return path
+
+
+def _cases(tp: int, dtype: str) -> list[Case]:
+    p2, p4, vs = 2 * tp, 4 * tp, 250
+    return [
+        Case("greedy", p2, specials=True),
+        Case("temperature", p4, params_kind="torch"),
+        Case("top_k", p2, bs=p2 - 1, vocab_limit=vs * tp - 7, kind="cupy"),
+        Case("top_k_top_p", p4, params_kind="torch", return_logprobs=False),
+        Case("top_k_top_p", p2, bs=f"tensor:{max(1, p2 - 3)}", scale=0.1),
+        Case("mixed", p4, specials=True, vocab_limit=min(vs + 5, vs * tp - 1)),
+        Case("min_p", p2, specials=True, bs=max(1, p2 - 3)),
+        Case("top_p", p2, scale=0.1),
+        Case("mixed", p2, bs=0),
+    ]
+
+
+def warm_sampler(dtype: str, n: int, v: int) -> None:
+    """Run the swap path's torch sampler once on local rows of every mode: its kernels
+    load lazily, and a rank thread loading one while a peer's kernel spins on the shared
+    GPU can stall that peer until the timeout (README, rank threads)."""
+    import torch
+
+    from ipc_dpsample.sampling import verify_rows
+
+    for mode in ("top_p", "min_p", "mixed"):
+        prm = params((5,), 2, mode)
+        rows = encode(logits((6,), 2 * n, v, scale=1.0, specials=False), dtype).cuda()
+        cand = torch.zeros((2, n), dtype=torch.int32, device="cuda")
+        kw = {k: None if a is None else torch.from_numpy(a).cuda() for k, a in prm.items()}
+        verify_rows(rows, cand, **kw, return_logprobs=True)
+    torch.cuda.synchronize()
+
+
+def _matrix_body(rank: int, tp: int, group: Any) -> dict[str, int]:
+    import torch
+
+    torch.cuda.set_device(0)
+    paths: dict[str, int] = {}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for d, dtype in enumerate(("float32", "bfloat16", "float16")):
+            n = (3, 1, 4)[d]
+            warm_sampler(dtype, n, 250 * tp)
+            group.barrier(timeout_s=120, what="warm")
+            with onesided_comm(
+                group, rank, tp, max_pad_bs=4 * tp, num_tokens_per_req=n, vocab_size=250 * tp,
+                logits_dtype=dtype,
+            ) as comm:  # fmt: skip
+                for i, case in enumerate(_cases(tp, dtype)):
+                    path = gpu_case(comm, rank, tp, (31, d, i), case).split(":")[0]
+                    paths[path] = paths.get(path, 0) + 1
+    return paths
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
+def test_verify_matches_the_reference_on_rank_threads(tp: int) -> None:
+    out = run_threads(tp, _matrix_body, timeout_s=900)
+    assert out[0]["kernels"] >= 15 and out[0]["swap"] >= 6, out[0]
+
+
+def _large_body(rank: int, tp: int, group: Any) -> int:
+    """The issue's shape: V = 152064, N = 4, every kernel mode, fp32 and bf16."""
+    import torch
+
+    torch.cuda.set_device(0)
+    done = 0
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for dtype in ("float32", "bfloat16"):
+            with onesided_comm(
+                group, rank, tp, max_pad_bs=32, num_tokens_per_req=4, vocab_size=152064,
+                logits_dtype=dtype,
+            ) as comm:  # fmt: skip
+                for i, mode in enumerate(("temperature", "top_k_top_p", "mixed")):
+                    case = Case(mode, 32, vocab_limit=151936 if i == 2 else None, specials=i == 2)
+                    gpu_case(comm, rank, tp, (41, i), case)
+                    done += 1
+    return done
+
+
+def test_verify_at_the_real_vocabulary_tp8() -> None:
+    assert run_threads(8, _large_body, timeout_s=900) == [6] * 8
+
+
+def _processes_body(rank: int, tp: int, group: Any) -> int:
+    import torch
+
+    torch.cuda.set_device(0)
+    with onesided_comm(
+        group, rank, tp, max_pad_bs=2 * tp, num_tokens_per_req=3, vocab_size=250 * tp,
+        logits_dtype="bfloat16", backend="auto",
+    ) as comm:  # fmt: skip
+        assert comm.backend == "onesided", comm.explain()
+        for i, case in enumerate(
+            (Case("mixed", 2 * tp, specials=True), Case("top_k_top_p", 2 * tp, bs=tp + 1))
+        ):
+            gpu_case(comm, rank, tp, (51, i), case)
+    return 2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_verify_across_processes_sharing_one_gpu(tp: int) -> None:
+    out = run_ranks(
+        tp, _processes_body, timeout_s=600, env={"IPC_DPSAMPLE_TEST_PG_BACKEND": "gloo"}
+    )
+    assert out == [2] * tp
+
+
+def _mismatch_body(rank: int, tp: int, group: Any, what: str) -> str:
+    import torch
+
+    torch.cuda.set_device(0)
+    pad_bs, n, v = 2 * tp, 2, 100 * tp
+    with torch.cuda.stream(torch.cuda.Stream()):
+        with onesided_comm(
+            group, rank, tp, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=v,
+            logits_dtype="float32", timeout_s=5.0,
+        ) as comm:  # fmt: skip
+            g = np.random.default_rng(3)
+            x = torch.from_numpy(g.normal(0, 2, (pad_bs * n, v // tp)).astype(np.float32)).cuda()
+            cand = np.zeros((pad_bs, n), np.int32)
+            temp = np.full(pad_bs, 0.7, np.float32)
+            if what == "temperature" and rank == tp - 1:
+                temp[1] = 0.8
+            if what == "candidates" and rank == tp - 1:
+                cand[0, 1] = 5
+            kw = dict(seed=np.arange(pad_bs), offset=np.zeros(pad_bs, np.int64))
+            _settle(comm, "inputs")
+            comm.verify_batch_vocab(
+                x, torch.from_numpy(cand).cuda(), pad_bs=pad_bs, temperature=temp, **kw
+            )
+            torch.cuda.current_stream().synchronize()
+            try:
+                comm.check()
+            except DpSampleError as exc:
+                return str(exc)
+            return "no error"
+
+
+@pytest.mark.parametrize("what", ["temperature", "candidates"])
+def test_ranks_passing_different_arguments_raise(what: str) -> None:
+    out = run_threads(2, _mismatch_body, what, timeout_s=120)
+    for text in out:
+        assert "different arguments" in text or "did not take part" in text, out
+    assert any("different arguments" in t for t in out), out
