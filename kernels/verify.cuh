@@ -224,15 +224,24 @@ __device__ __forceinline__ double dv_det_exp2_frac(double f) {
   return p;
 }
 
-// layout.gumbel_noise of one global token id under a row's stream key.
-__device__ __forceinline__ float dv_noise(dv_u64 key, unsigned id) {
-  const unsigned x = dv_philox32_w0(id, (unsigned)(key & 0xFFFFFFFFull), (unsigned)(key >> 32));
+// layout.uniform_from_uint32 of a Philox word.
+__device__ __forceinline__ float dv_uniform(unsigned x) {
   int i = (int)x;
   if (i < 0) i = ~i;
-  float u = dv_fmul((float)i, 4.6566127342e-10f);
-  if (u < 1e-7f) u = 1e-7f;
+  const float u = dv_fmul((float)i, 4.6566127342e-10f);
+  return u < 1e-7f ? 1e-7f : u;
+}
+
+// float32(-det_log(-det_log(u))): the Gumbel noise of a uniform.
+__device__ __forceinline__ float dv_gumbel(float u) {
   const double a = dv_det_log((double)u);  // < 0
   return (float)(-dv_det_log(-a));
+}
+
+// layout.gumbel_noise of one global token id under a row's stream key.
+__device__ __forceinline__ float dv_noise(dv_u64 key, unsigned id) {
+  return dv_gumbel(
+      dv_uniform(dv_philox32_w0(id, (unsigned)(key & 0xFFFFFFFFull), (unsigned)(key >> 32))));
 }
 
 // Every noise value is below this (layout: the largest uniform is 1 - 2**-24, whose
@@ -531,12 +540,17 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     best_score = sh.init_score;
     best_id = max_id;
     best_val = m;
+    const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
     for (unsigned c = t; c < ncols; c += B) {
       const float x = argmax_load1<Tag>(row + c);
       const float z = dv_fdiv(x, T);
       if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) continue;  // cannot win (NaN-safe)
       const unsigned id = col0 + c;
-      const float s = dv_fadd(z, dv_noise(key, id));
+      const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
+      // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+      // estimate with a wide margin skips the exact double-precision noise (NaN: keep)
+      if (u < __expf(-__expf(z - best_score)) * 0.9999f) continue;
+      const float s = dv_fadd(z, dv_gumbel(u));
       if (dv_better(s, id, best_score, best_id)) {
         best_score = s;
         best_id = id;

@@ -53,6 +53,7 @@ static std::barrier<>* g_barrier = nullptr;
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(x)
+#define __expf(x) std::exp(static_cast<float>(x))
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
