@@ -383,52 +383,113 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 }
 
 // -- the record of one row of one shard -------------------------------------------
+#ifndef DV_CAND_CAP
+#define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
+#endif
+
 struct DvRecordShared {
   DvShared red;
   unsigned hist[2048];
+  unsigned cand_key[DV_CAND_CAP];
+  unsigned cand_id[DV_CAND_CAP];
+  float cand_val[DV_CAND_CAP];
   unsigned sel_key[DV_TOPK_MAX];
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
-  unsigned found_bin, found_above, n_gt, n_eq;
+  unsigned found_bin, found_above, n_gt, n_eq, n_cand;
   float init_score;
 };
 
-// The top `kk` columns of the row in key order into rec's list (kk >= 1).
+// Columns of a shard's row as (order key, global id, raw logit; -0 read as +0), in
+// column order.
 template <typename Tag>
-__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
+struct DvRowSource {
+  const typename Tag::Storage* row;
+  unsigned n, col0;
+  static constexpr bool kColumnOrder = true;
+  __device__ __forceinline__ unsigned size() const { return n; }
+  __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
+    const float x = argmax_load1<Tag>(row + i);
+    key = dv_order_key(x);
+    id = col0 + i;
+    val = x == 0.0f ? 0.0f : x;
+  }
+};
+
+// The candidates gathered in shared memory (any order).
+struct DvCandSource {
+  const DvRecordShared* sh;
+  unsigned n;
+  static constexpr bool kColumnOrder = false;
+  __device__ __forceinline__ unsigned size() const { return n; }
+  __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
+    key = sh->cand_key[i];
+    id = sh->cand_id[i];
+    val = sh->cand_val[i];
+  }
+};
+
+// Add one to hist[bin] for every thread with `active` (warp-aggregated on the device:
+// one shared atomic per distinct bin of a warp, so concentrated digits do not serialise).
+__device__ __forceinline__ void dv_hist_add(unsigned* hist, unsigned bin, bool active) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+  if (active) atomicAdd(&hist[bin], 1u);
+#else
+  const unsigned live = __ballot_sync(0xFFFFFFFFu, active);
+  if (!active) return;
+  const unsigned peers = __match_any_sync(live, bin);
+  const unsigned lane = threadIdx.x & 31u;
+  if ((__ffs(peers) - 1) == (int)lane) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+#endif
+}
+
+// One radix digit: the bin (from the top) holding the remaining-th largest key among
+// the counted ones; sets sh.found_bin / sh.found_above. hist holds nb counts.
+__device__ __forceinline__ void dv_find_bin(DvRecordShared& sh, unsigned nb, unsigned remaining) {
   const unsigned t = threadIdx.x, B = blockDim.x;
-  unsigned prefix = 0, mask = 0, remaining = kk, eq_count = 0;
-  for (int pass = 0; pass < 3; ++pass) {
+  const unsigned per = nb / B ? nb / B : 1u;
+  const unsigned lo = t * per, hi = lo + per;  // this thread's bins [lo, hi)
+  unsigned cs = 0;
+  for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.hist[i];
+  unsigned total;
+  const unsigned incl = dv_block_scan(sh.red, cs, &total);
+  const unsigned above = total - incl;  // bins >= hi
+  if (lo < nb && above < remaining && above + cs >= remaining) {
+    unsigned acc = above;
+    for (unsigned i = (hi < nb ? hi : nb); i-- > lo;) {
+      if (acc + sh.hist[i] >= remaining) {
+        sh.found_bin = i;
+        sh.found_above = acc;
+        break;
+      }
+      acc += sh.hist[i];
+    }
+  }
+  __syncthreads();
+}
+
+// Radix passes first_pass..2 over `src` (the digits above first_pass already fixed in
+// prefix/mask, `remaining` of the kk still to find among keys matching them), then the
+// kk columns into rec's list in key order (kk >= 1).
+template <typename Src>
+__device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned prefix,
+                          unsigned mask, unsigned remaining, unsigned eq_count, unsigned kcap,
+                          unsigned* rec, DvRecordShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x, n = src.size();
+  for (int pass = first_pass; pass < 3; ++pass) {
     const unsigned shift = pass == 0 ? 21u : (pass == 1 ? 10u : 0u);
     const unsigned nb = pass == 2 ? 1024u : 2048u;
     for (unsigned i = t; i < nb; i += B) sh.hist[i] = 0;
     __syncthreads();
-    for (unsigned c = t; c < ncols; c += B) {
-      const unsigned key = dv_order_key(argmax_load1<Tag>(row + c));
-      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & (nb - 1)], 1u);
+    for (unsigned c0 = 0; c0 < n; c0 += B) {  // uniform trip count (warp-aggregated adds)
+      const unsigned c = c0 + t;
+      unsigned key = 0, id;
+      float val;
+      if (c < n) src.get(c, key, id, val);
+      dv_hist_add(sh.hist, (key >> shift) & (nb - 1), c < n && (key & mask) == prefix);
     }
     __syncthreads();
-    // the bin holding the remaining-th largest: chunk sums, suffix sums over chunks
-    const unsigned per = nb / B ? nb / B : 1u;
-    const unsigned lo = t * per, hi = lo + per;  // this thread's bins [lo, hi)
-    unsigned cs = 0;
-    for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.hist[i];
-    unsigned total;
-    const unsigned incl = dv_block_scan(sh.red, cs, &total);
-    const unsigned above = total - incl;  // bins >= hi
-    if (lo < nb && above < remaining && above + cs >= remaining) {
-      unsigned acc = above;
-      for (unsigned i = (hi < nb ? hi : nb); i-- > lo;) {
-        if (acc + sh.hist[i] >= remaining) {
-          sh.found_bin = i;
-          sh.found_above = acc;
-          break;
-        }
-        acc += sh.hist[i];
-      }
-    }
-    __syncthreads();
+    dv_find_bin(sh, nb, remaining);
     const unsigned bin = sh.found_bin;
     remaining -= sh.found_above;
     eq_count = sh.hist[bin];
@@ -445,39 +506,50 @@ __device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, u
   }
   __syncthreads();
   const bool all_eq = eq_count == remaining;
-  for (unsigned c = t; c < ncols; c += B) {
-    const float x = argmax_load1<Tag>(row + c);
-    const unsigned key = dv_order_key(x);
+  for (unsigned c = t; c < n; c += B) {
+    unsigned key, id;
+    float val;
+    src.get(c, key, id, val);
     unsigned slot = DV_TOPK_MAX;
     if (key > thr) {
       slot = atomicAdd(&sh.n_gt, 1u);
     } else if (key == thr && all_eq) {
       slot = gt + atomicAdd(&sh.n_eq, 1u);
+    } else if (key == thr && !Src::kColumnOrder) {
+      // ties at the k-th value, candidates in any order: rank by id among the equal
+      unsigned r = 0;
+      for (unsigned j = 0; j < n; ++j) {
+        unsigned kj, ij;
+        float vj;
+        src.get(j, kj, ij, vj);
+        r += (kj == thr && ij < id) ? 1u : 0u;
+      }
+      if (r < remaining) slot = gt + r;
     }
     if (slot < DV_TOPK_MAX) {
       sh.sel_key[slot] = key;
-      sh.sel_id[slot] = col0 + c;
-      sh.sel_val[slot] = x == 0.0f ? 0.0f : x;
+      sh.sel_id[slot] = id;
+      sh.sel_val[slot] = val;
     }
   }
   __syncthreads();
-  if (!all_eq) {  // ties at the k-th value: the lowest ids, in column order
+  if (!all_eq && Src::kColumnOrder) {  // ties at the k-th value: lowest ids, column order
     unsigned base = 0;
-    for (unsigned c0 = 0; c0 < ncols && base < remaining; c0 += B) {
+    for (unsigned c0 = 0; c0 < n && base < remaining; c0 += B) {
       const unsigned c = c0 + t;
-      float x = 0.0f;
-      unsigned pred = 0;
-      if (c < ncols) {
-        x = argmax_load1<Tag>(row + c);
-        pred = dv_order_key(x) == thr ? 1u : 0u;
+      unsigned key = 0, id = 0, pred = 0;
+      float val = 0.0f;
+      if (c < n) {
+        src.get(c, key, id, val);
+        pred = key == thr ? 1u : 0u;
       }
       unsigned total;
       const unsigned pos = dv_block_scan(sh.red, pred, &total) - pred;
       if (pred && base + pos < remaining) {
         const unsigned slot = gt + base + pos;
         sh.sel_key[slot] = thr;
-        sh.sel_id[slot] = col0 + c;
-        sh.sel_val[slot] = x == 0.0f ? 0.0f : x;
+        sh.sel_id[slot] = id;
+        sh.sel_val[slot] = val;
       }
       base += total;
     }
@@ -493,6 +565,52 @@ __device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, u
     rec[DV_HDR + kcap + r] = id;
   }
   __syncthreads();
+}
+
+// The top `kk` columns of the row in key order into rec's list (kk >= 1). The first
+// radix digit (sign, exponent, 2 mantissa bits) is counted over the row; when the
+// columns at or above the k-th one's digit fit in shared memory they are gathered
+// there and the remaining digits are found among them (2 passes over the row);
+// otherwise (many columns share the digit) every digit takes a pass over the row.
+template <typename Tag>
+__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  const DvRowSource<Tag> src{row, ncols, col0};
+  for (unsigned i = t; i < 2048u; i += B) sh.hist[i] = 0;
+  __syncthreads();
+  for (unsigned c0 = 0; c0 < ncols; c0 += B) {
+    const unsigned c = c0 + t;
+    unsigned key = 0, id;
+    float val;
+    if (c < ncols) src.get(c, key, id, val);
+    dv_hist_add(sh.hist, key >> 21, c < ncols);
+  }
+  __syncthreads();
+  dv_find_bin(sh, 2048u, kk);
+  const unsigned bin = sh.found_bin, above = sh.found_above, eq = sh.hist[bin];
+  __syncthreads();
+  const unsigned ncand = above + eq;  // columns whose first digit is >= bin
+  if (ncand > DV_CAND_CAP) {
+    dv_select(src, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
+    return;
+  }
+  if (t == 0) sh.n_cand = 0;
+  __syncthreads();
+  for (unsigned c = t; c < ncols; c += B) {
+    unsigned key, id;
+    float val;
+    src.get(c, key, id, val);
+    if ((key >> 21) >= bin) {
+      const unsigned slot = atomicAdd(&sh.n_cand, 1u);
+      sh.cand_key[slot] = key;
+      sh.cand_id[slot] = id;
+      sh.cand_val[slot] = val;
+    }
+  }
+  __syncthreads();
+  const DvCandSource cands{&sh, ncand};
+  dv_select(cands, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
 }
 
 // The record of one row: `ncols` counted columns (those below vocab_limit) starting at

@@ -119,15 +119,22 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 """
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
+#: The top-k selection's shared-memory candidate capacity: the default, and one so small
+#: that most rows take the path that reads the row once per radix digit.
+CAND_CAPS = {"candidates": None, "row-passes": 16}
+
+
+@pytest.fixture(scope="module", params=sorted(CAND_CAPS))
+def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("needs g++ (C++20) to emulate the verify kernels on the CPU")
     work = tmp_path_factory.mktemp("verify_emulation")
     (work / "emulate.cpp").write_text(_EMULATION)
     so = work / "libverify_emulation.so"
+    cap = CAND_CAPS[request.param]
     cmd = [gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-Wall", "-Werror"]
+    cmd += [] if cap is None else [f"-DDV_CAND_CAP={cap}"]
     cmd += ["-Wno-unknown-pragmas", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
     cmd += [str(work / "emulate.cpp"), "-o", str(so), "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
