@@ -429,15 +429,23 @@ class DpSamplingComm:
         ``>= bs`` are undefined. Views of persistent buffers in ``local_logits``'
         array type, valid until the next op on this communicator is issued.
 
-        Backends: ``torch`` runs the sharded algorithm (:mod:`ipc_dpsample.
-        verify_shards`) with NumPy on the host and moves 128..1312 bytes per row per
-        peer in one all-gather (a probe round and a full-row round only for rows the
-        records leave open); it is the portable path, not the fast one: CUDA inputs
-        are copied to the host and the results back. Through ``fallback_comm_backend``
-        the same algorithm runs, one ``all_gather_into_tensor`` per round. ``onesided``
-        and ``nccl`` raise
-        :class:`~ipc_dpsample.errors.BackendUnavailableError` in this version (GPU
-        kernels planned): build the communicator with ``backend="torch"``.
+        Backends: ``onesided`` runs CUDA kernels (``kernels/verify.cuh``): each rank
+        reduces each real row of its shard to a record (48 bytes, plus 8 bytes per
+        list entry when the batch has top-k rows: the largest top-k of the call) and
+        pushes it into the row owner's arena; the owner combines its rows and runs the
+        accept chain, and the results are all-gathered (two launches, then the gather
+        kernels). It decides greedy, temperature-only and top-k rows (with top-p and
+        min-p) this way; a batch with a request that has top-p or min-p but no top-k
+        takes the backend's swap, the package's torch sampler
+        (:func:`ipc_dpsample.sampling.verify_rows`) on the rank's rows, and the
+        gathers instead: the same results, moving the logits. ``torch`` runs the
+        sharded algorithm (:mod:`ipc_dpsample.verify_shards`) with NumPy on the host
+        and moves 128..1312 bytes per row per peer in one all-gather (a probe round and
+        a full-row round only for rows the records leave open); it is the portable
+        path, not the fast one: CUDA inputs are copied to the host and the results
+        back. Through ``fallback_comm_backend`` the same algorithm runs, one
+        ``all_gather_into_tensor`` per round. The parameters are read on the host: the
+        op cannot be captured in a CUDA graph in this version.
 
         Raises
         ------
@@ -451,6 +459,11 @@ class DpSamplingComm:
             communicator is then unusable (every later call raises it again).
         BackendUnavailableError
             The backend cannot run this op (see Backends).
+        DpSampleError
+            On ``onesided``: called while the stream is being captured into a CUDA
+            graph; ranks that passed different parameters or candidates (raised at the
+            next call or :meth:`check` on the ranks owning the rows concerned; the
+            others time out waiting for them).
         """
         self._check_open()
         cfg = self.config

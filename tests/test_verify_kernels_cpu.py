@@ -207,9 +207,25 @@ def run_kernels(
     for s in range(tp):
         out = np.full((rows, words), POISON, np.uint32)
         dg = digest if digests is None else digests[s]
-        lib.emu_records(grid, block, _addr(shards[s]), _addr(cand), cap, int(want_lp), dg,
-                        bs_ptr, bs_host, _addr(packed), rows, vs, s * vs, params.vocab_limit,
-                        code, n, _addr(out))  # fmt: skip
+        lib.emu_records(
+            grid,
+            block,
+            _addr(shards[s]),
+            _addr(cand),
+            cap,
+            int(want_lp),
+            dg,
+            bs_ptr,
+            bs_host,
+            _addr(packed),
+            rows,
+            vs,
+            s * vs,
+            params.vocab_limit,
+            code,
+            n,
+            _addr(out),
+        )
         records.append(out)
     r = pad_bs // tp
     predict = np.full((pad_bs, n), POISON, np.int32)
@@ -222,9 +238,24 @@ def run_kernels(
         outs = [predict[o * r :], accept_index[o * r :], accept_length[o * r :], logprobs[o * r :]]
         err = np.zeros(1, np.uint32)
         dg = digest if digests is None else digests[o]
-        lib.emu_combine(grid, block, _addr(cand), cap, int(want_lp), dg, bs_ptr, bs_host,
-                        _addr(recs), _addr(packed), tp, r, n, o * r, *(_addr(a) for a in outs),
-                        _addr(err))  # fmt: skip
+        lib.emu_combine(
+            grid,
+            block,
+            _addr(cand),
+            cap,
+            int(want_lp),
+            dg,
+            bs_ptr,
+            bs_host,
+            _addr(recs),
+            _addr(packed),
+            tp,
+            r,
+            n,
+            o * r,
+            *(_addr(a) for a in outs),
+            _addr(err),
+        )
         errors.append(int(err[0]))
     return (predict, accept_index, accept_length, logprobs), errors
 
@@ -272,7 +303,7 @@ def _logits(g: np.random.Generator, rows: int, v: int, scale: float, specials: b
         x[3, : v // 2] = -np.inf
         x[4, int(g.integers(v))] = 6.0e4
         x[5] = 1.5  # every column ties
-        x[6, :: 3] = 2.0  # many ties at the top
+        x[6, ::3] = 2.0  # many ties at the top
         x[7, 5] = -0.0
         x[7, 6] = 0.0
     return x
@@ -281,7 +312,9 @@ def _logits(g: np.random.Generator, rows: int, v: int, scale: float, specials: b
 def _check(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], real: int, what: str) -> None:
     for name, gv, wv in zip(("predict", "accept_index", "accept_length"), got, want, strict=False):
         bad = np.argwhere(gv[:real] != wv[:real])
-        assert not len(bad), f"{what}: {name} differs at {bad[:4].tolist()}: {gv[:real]} vs {wv[:real]}"
+        assert not len(bad), (
+            f"{what}: {name} differs at {bad[:4].tolist()}: {gv[:real]} vs {wv[:real]}"
+        )
     if len(want) == 4:
         lw, lg = want[3][:real], got[3][:real]
         assert np.array_equal(np.isnan(lw), np.isnan(lg)), f"{what}: NaN pattern of logprobs"
@@ -290,10 +323,24 @@ def _check(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], real: int,
         assert not ulps.size or ulps.max() <= 1, f"{what}: logprobs off by {ulps.max()} ulp"
 
 
-def _case(lib: Any, seed: int, *, tp: int, vs: int, n: int, pad_bs: int, dtype: str, mode: str,
-          vocab_limit: int | None = None, bs: int | None = None, bs_on_device: bool = False,
-          want_lp: bool = True, scale: float = 2.0, specials: bool = False,
-          block: int = 32) -> None:  # fmt: skip
+def _case(
+    lib: Any,
+    seed: int,
+    *,
+    tp: int,
+    vs: int,
+    n: int,
+    pad_bs: int,
+    dtype: str,
+    mode: str,
+    vocab_limit: int | None = None,
+    bs: int | None = None,
+    bs_on_device: bool = False,
+    want_lp: bool = True,
+    scale: float = 2.0,
+    specials: bool = False,
+    block: int = 32,
+) -> None:
     g = np.random.default_rng([seed, tp, vs, n, pad_bs])
     v = vs * tp
     full = _encode(_logits(g, pad_bs * n, v, scale, specials), dtype)
@@ -307,8 +354,18 @@ def _case(lib: Any, seed: int, *, tp: int, vs: int, n: int, pad_bs: int, dtype: 
         keep = int(g.integers(0, n))
         cand[req, 1 : keep + 1] = first[0][req, :keep]
     want = reference_verify_batch_vocab(shards, cand, **kw, **prm, return_logprobs=want_lp)
-    got, errors = run_kernels(lib, shards, cand, prm, dtype=dtype, vocab_limit=vocab_limit,
-                              bs=bs, bs_on_device=bs_on_device, want_lp=want_lp, block=block)  # fmt: skip
+    got, errors = run_kernels(
+        lib,
+        shards,
+        cand,
+        prm,
+        dtype=dtype,
+        vocab_limit=vocab_limit,
+        bs=bs,
+        bs_on_device=bs_on_device,
+        want_lp=want_lp,
+        block=block,
+    )
     assert errors == [0] * tp
     real = pad_bs if bs is None else bs
     _check(got if want_lp else got[:3], want, real, f"{mode} {dtype} tp={tp} vs={vs} n={n}")
@@ -356,11 +413,22 @@ def test_mass_terms_and_threshold_match_layout(lib: Any) -> None:
 
 # -- whole calls ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("mode", ["greedy", "temperature", "top_k", "top_k_top_p", "top_k_min_p", "mixed"])
+@pytest.mark.parametrize(
+    "mode", ["greedy", "temperature", "top_k", "top_k_top_p", "top_k_min_p", "mixed"]
+)
 def test_kernels_match_reference(lib: Any, mode: str, dtype: str) -> None:
     for tp in (1, 2, 3):
-        _case(lib, 11, tp=tp, vs=203, n=3, pad_bs=2 * tp, dtype=dtype, mode=mode,
-              specials=mode in ("mixed", "greedy", "top_k"))  # fmt: skip
+        _case(
+            lib,
+            11,
+            tp=tp,
+            vs=203,
+            n=3,
+            pad_bs=2 * tp,
+            dtype=dtype,
+            mode=mode,
+            specials=mode in ("mixed", "greedy", "top_k"),
+        )
 
 
 @pytest.mark.parametrize("tp", [4, 8])
@@ -371,10 +439,32 @@ def test_kernels_wide_tp(lib: Any, tp: int) -> None:
 
 def test_kernels_real_rows_and_vocab_limit(lib: Any) -> None:
     # bs < pad_bs (host and device scalar), vocab_limit cutting a shard and whole shards
-    _case(lib, 14, tp=3, vs=101, n=2, pad_bs=6, dtype="float32", mode="mixed", bs=4,
-          vocab_limit=250, specials=True)  # fmt: skip
-    _case(lib, 15, tp=4, vs=64, n=3, pad_bs=8, dtype="float16", mode="top_k", bs=5,
-          bs_on_device=True, vocab_limit=70)  # fmt: skip
+    _case(
+        lib,
+        14,
+        tp=3,
+        vs=101,
+        n=2,
+        pad_bs=6,
+        dtype="float32",
+        mode="mixed",
+        bs=4,
+        vocab_limit=250,
+        specials=True,
+    )
+    _case(
+        lib,
+        15,
+        tp=4,
+        vs=64,
+        n=3,
+        pad_bs=8,
+        dtype="float16",
+        mode="top_k",
+        bs=5,
+        bs_on_device=True,
+        vocab_limit=70,
+    )
     _case(lib, 16, tp=2, vs=80, n=2, pad_bs=4, dtype="float32", mode="temperature", bs=0)
 
 
@@ -383,8 +473,18 @@ def test_kernels_flat_and_peaked_rows(lib: Any) -> None:
     # rows (large scale): pruning of the temperature pass
     for scale in (0.05, 8.0):
         for mode in ("temperature", "top_k_top_p"):
-            _case(lib, 17, tp=2, vs=301, n=2, pad_bs=4, dtype="float32", mode=mode,
-                  scale=scale, want_lp=False)  # fmt: skip
+            _case(
+                lib,
+                17,
+                tp=2,
+                vs=301,
+                n=2,
+                pad_bs=4,
+                dtype="float32",
+                mode=mode,
+                scale=scale,
+                want_lp=False,
+            )
 
 
 def test_kernels_n1_and_block_sizes(lib: Any) -> None:

@@ -38,8 +38,8 @@ from ...envs import OnesidedTuning
 from ...errors import DpSampleError, PeerTimeoutError
 from ...group import HostGroup
 from ...kernel_cache import get_kernel
-from ...protocol import Call, Dtype, Op, divergence_message
 from ...layout import VerifyParams
+from ...protocol import Call, Dtype, Op, divergence_message
 from ..base import Backend, RealRows
 from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
 from ..verify_plan import (
@@ -504,9 +504,7 @@ class OnesidedBackend(Backend):
         digest = params_digest(params, packed, cap, return_logprobs)
         packed = np.ascontiguousarray(packed)
         # pageable source: the call returns once the bytes are staged, in stream order
-        self._runtime.memcpyAsync(
-            int(prm.data.ptr), packed.ctypes.data, packed.nbytes, 1, handle
-        )
+        self._runtime.memcpyAsync(int(prm.data.ptr), packed.ctypes.data, packed.nbytes, 1, handle)
         cand = candidates_info.ptr
         values = (info.ptr, cand, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
         rows = max(1, bs.bs * cfg.num_tokens_per_req)
