@@ -1,9 +1,9 @@
 // ipc_dpsample NCCL-backend kernels: the local halves of the NCCL collectives.
 //
-// NCCL moves the bytes (grouped send/recv for swap_batch_vocab and
-// argmax_batch_vocab, one allGather for the verify gathers); these kernels put them
-// in place and check that every rank made the same call. Host half:
-// ipc_dpsample/backends/nccl/.
+// NCCL moves the bytes (grouped send/recv for swap_batch_vocab, argmax_batch_vocab
+// and verify_batch_vocab, one allGather for the verify gathers); these kernels put
+// them in place and check that every rank made the same call. Host half:
+// ipc_dpsample/backends/nccl/. The reductions themselves are argmax.cu and verify.cu.
 //
 // No toolkit headers: NVRTC (CuPy RawModule) and nvcc (the CI compile check) both
 // build this file anywhere. Every scalar argument is 64-bit (the host packs every
@@ -15,13 +15,21 @@
 //                            bs  = real requests (host value, or the caller's device
 //                                  int32 scalar read when the op runs),
 //                            seq = ops this communicator completed before this one.
-// The gathers pack their header in front of their payload (nccl_pack); the swap and
-// the argmax send a 16-byte header message to every peer inside the same NCCL group
-// as their data, written just before the group by nccl_header. The kernel that
-// finishes an op (permute, unpack, finish) compares every rank's header with its
-// own, records the first difference in the host-visible error block, and advances
-// seq in device memory: no host value changes between calls, so CUDA-graph replays
-// stay correct.
+// The gathers pack their header in front of their payload (nccl_pack); the swap, the
+// argmax and the verify send a 16-byte header message to every peer inside the same
+// NCCL group as their data, written just before the group by nccl_header. The kernel
+// that finishes an op (permute, unpack, finish, verify_finish) compares every rank's
+// header with its own, records the first difference in the host-visible error block,
+// and advances seq in device memory: no host value changes between calls, so
+// CUDA-graph replays stay correct.
+//
+// verify_batch_vocab's arguments that the header does not carry (per-request
+// parameters, candidates, vocab_limit, return_logprobs) are compared by the owners'
+// combine (verify.cu: a digest and the candidate in every record), which sets an error
+// word. nccl_verify_finish turns it into ERR_PARAMS in the error block and flips
+// SEQ_DIVERGED in this rank's seq, so the headers of the gathers that follow in the
+// same call differ from every peer's: every rank that took part learns of the
+// divergence, not only the owners whose records differed.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -31,14 +39,17 @@ typedef unsigned char u8;
 
 #define HDR_WORDS 4
 #define ERR_MISMATCH 1
+#define ERR_PARAMS 2
+// Flipped in seq by a rank whose verify combine saw other arguments (records.py).
+#define SEQ_DIVERGED 0x40000000
 
 // Host-visible error block (mapped pinned memory); mirrored by
 // ipc_dpsample/backends/nccl/records.py:ERROR_WORDS.
 struct ErrorBlock {
-  int code;       // 0 ok, ERR_MISMATCH
+  int code;       // 0 ok, ERR_MISMATCH, ERR_PARAMS
   int op;         // op code of the rank that detected it
   int rank;       // the rank that detected it
-  int peer;       // the first rank whose header differed
+  int peer;       // the first rank whose header (ERR_PARAMS: verify record) differed
   int mine[4];    // the detecting rank's header
   int theirs[4];  // the peer's header
   int reserved[4];
@@ -87,7 +98,7 @@ __device__ void check_headers(const int* hdrs, i64 stride, i64 tp, i64 skip, con
   }
 }
 
-// Before the NCCL group of a swap or argmax: dst (int32[4]) = [tag, pad_bs, bs, seq].
+// Before the NCCL group of a swap, argmax or verify: dst (int32[4]) = [tag, pad_bs, bs, seq].
 // One thread. The per-call values (bs, bs_ptr) come first.
 extern "C" __global__ void nccl_header(i64 bs, u64 bs_ptr, u64 dst, i64 tag, i64 pad_bs,
                                        u64 counter) {
@@ -109,6 +120,39 @@ extern "C" __global__ void nccl_finish(u64 hdr_recv, i64 tp, i64 skip, u64 my_hd
   check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, skip, mine,
                 reinterpret_cast<ErrorBlock*>(err), rank);
   *reinterpret_cast<int*>(counter) = mine[3] + 1;
+}
+
+// After verify_batch_vocab's NCCL group and dp_verify_combine: nccl_finish's header
+// check, then the combine's error word (u32: 1 + the first source whose parameter
+// digest or candidate differed from this rank's; 0: none), consumed here: a nonzero
+// word becomes ERR_PARAMS (unless an error is already recorded) and flips
+// SEQ_DIVERGED in the advanced seq. One thread.
+extern "C" __global__ void nccl_verify_finish(u64 hdr_recv, i64 tp, i64 skip, u64 my_hdr,
+                                              u64 counter, u64 err, i64 rank, u64 err_word) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const int* mine = reinterpret_cast<const int*>(my_hdr);
+  check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, skip, mine,
+                reinterpret_cast<ErrorBlock*>(err), rank);
+  unsigned* word = reinterpret_cast<unsigned*>(err_word);
+  const unsigned bad = *word;
+  int next = mine[3] + 1;
+  if (bad != 0u) {
+    *word = 0u;
+    next ^= SEQ_DIVERGED;
+    volatile ErrorBlock* e = reinterpret_cast<ErrorBlock*>(err);
+    if (e->code == 0) {
+      e->op = mine[0] & 0xff;
+      e->rank = (int)rank;
+      e->peer = (int)(bad - 1u);
+      for (int w = 0; w < HDR_WORDS; ++w) {
+        e->mine[w] = mine[w];
+        e->theirs[w] = mine[w];  // the headers agreed; the records did not
+      }
+      __threadfence_system();
+      e->code = ERR_PARAMS;
+    }
+  }
+  *reinterpret_cast<int*>(counter) = next;
 }
 
 // swap_batch_vocab, local half: out[i, s * rowbytes : (s + 1) * rowbytes] = src_s[i, :]

@@ -7,7 +7,7 @@ import pytest
 
 from ipc_dpsample import BackendUnavailableError
 from ipc_dpsample.backends.nccl import packed_width, permute_launch, swap_moves, vector_width
-from ipc_dpsample.backends.nccl.geometry import argmax_buffer_bytes, argmax_slots
+from ipc_dpsample.backends.nccl.geometry import argmax_buffer_bytes, argmax_slots, verify_moves
 from ipc_dpsample.layout import real_reqs
 from ipc_dpsample.select import Facts, select_backend
 
@@ -122,3 +122,17 @@ def test_argmax_slots_alias_only_the_own_block(tp: int) -> None:
                 for t, (lo2, hi2) in enumerate(slots):
                     assert t == s or hi <= lo2 or hi2 <= lo
             assert 0 <= send and send + tp * chunk <= argmax_buffer_bytes(tp, chunk_max)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 8])
+def test_verify_moves_pair_up_and_skip_the_own_block(tp: int) -> None:
+    chunk = 7 * 4
+    steps = {r: verify_moves(tp, r, chunk) for r in range(tp)}
+    for rank, moves in steps.items():
+        assert len(moves) == tp - 1
+        assert {m[0] for m in moves} == {m[3] for m in moves} == set(range(tp)) - {rank}
+        for dst, off, nbytes, _src, rbytes in moves:
+            assert off == dst * chunk and nbytes == rbytes == chunk
+            # the step that sends to dst is the step at which dst receives from rank
+            k = (dst - rank) % tp
+            assert steps[dst][k - 1][3] == rank

@@ -30,7 +30,12 @@ from ipc_dpsample.backends.nccl import (
 )
 from ipc_dpsample.backends.nccl.geometry import NAME_EXPRESSIONS
 from ipc_dpsample.backends.nccl.plan import tag_of
-from ipc_dpsample.backends.nccl.records import ERR_MISMATCH, SETUP_RECORD
+from ipc_dpsample.backends.nccl.records import (
+    ERR_MISMATCH,
+    ERR_PARAMS,
+    SEQ_DIVERGED,
+    SETUP_RECORD,
+)
 from ipc_dpsample.protocol import Call, Dtype, Op
 
 KERNEL_SOURCE = KERNEL_DIR / "nccl.cu"
@@ -266,8 +271,41 @@ def test_error_block_gathers() -> None:
 
 def test_error_block_unknown_code() -> None:
     assert format_error_block([7, 2, 1, 0] + [0] * 12) == (
-        "rank 1: NCCL backend error code 7 (expected 1, a header mismatch; op 2, peer 0)"
+        "rank 1: NCCL backend error code 7 (expected 1, a header mismatch, or 2, different "
+        "verify_batch_vocab arguments; op 2, peer 0)"
     )
+
+
+def test_error_block_verify_arguments() -> None:
+    """nccl_verify_finish: the combine of rank 2 saw rank 0's records carry another
+    digest or candidate (the headers agreed)."""
+    mine = _hdr(Op.VERIFY, Dtype.BFLOAT16, 8, 6, 4)
+    words = [ERR_PARAMS, int(Op.VERIFY), 2, 0, *mine, *mine, 0, 0, 0, 0]
+    msg = format_error_block(words, n=3)
+    assert msg.startswith(
+        "rank 0 called verify_batch_vocab(pad_bs=8, bs=6, N=3, bfloat16) #4 with different "
+        "verify_batch_vocab arguments (candidates, temperature, top_k, top_p, min_p, seed, "
+        "offset, vocab_limit or return_logprobs) than rank 2 passed to "
+        "verify_batch_vocab(pad_bs=8, bs=6, N=3, bfloat16) #4 (nccl backend, seen by rank 2)"
+    ), msg
+    assert "this communicator is now unusable" in msg
+
+
+def test_error_block_peer_marked_its_seq() -> None:
+    """A peer whose verify saw other arguments flips SEQ_DIVERGED in its seq: the next
+    header check names what it found; any other seq difference stays a plain mismatch."""
+    mine = _hdr(Op.GATHER_OUTPUTS, Dtype.INT32, 8, 8, 5)
+    marked = _hdr(Op.GATHER_OUTPUTS, Dtype.INT32, 8, 8, 5 ^ SEQ_DIVERGED)
+    msg = format_error_block(_error_words(mine, marked, rank=1, peer=3), n=2)
+    assert msg.startswith(
+        "rank 3 found records with different verify_batch_vocab arguments (candidates, "
+        "temperature, top_k, top_p, min_p, seed, offset, vocab_limit or return_logprobs) in "
+        "its verify_batch_vocab call #4 (the op before gather_verify_outputs(pad_bs=8, bs=8, "
+        "N=2) #5) and marked its headers (nccl backend, seen by rank 1): the ranks' call "
+        "sequences diverged."
+    ), msg
+    other = format_error_block(_error_words(mine, _hdr(Op.GATHER_OUTPUTS, Dtype.INT32, 8, 8, 6)))
+    assert other.startswith("rank 1 called gather_verify_outputs(pad_bs=8, bs=8) #6 while")
 
 
 def test_error_block_words_unpack() -> None:
@@ -289,6 +327,9 @@ def test_error_block_layout_matches_kernel_source() -> None:
     assert m is not None and int(m.group(1)) == ERROR_BYTES == 4 * ERROR_WORDS
     assert re.search(r"#define HDR_WORDS (\d+)", src).group(1) == str(HDR_WORDS)  # type: ignore[union-attr]
     assert re.search(r"#define ERR_MISMATCH (\d+)", src).group(1) == str(ERR_MISMATCH)  # type: ignore[union-attr]
+    defines = dict(re.findall(r"#define (\w+) (\w+)", src))
+    assert int(defines["ERR_PARAMS"]) == ERR_PARAMS
+    assert int(defines["SEQ_DIVERGED"], 16) == SEQ_DIVERGED
 
 
 def test_every_kernel_name_is_defined_in_the_source() -> None:

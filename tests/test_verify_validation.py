@@ -2,8 +2,8 @@
 every bad shape, dtype, device, type or value raises ValueError / TypeError naming the
 argument and the expected value, before anything is exchanged, and a valid call right
 after works; the op code and the divergence message; the one-sided backend's route
-for batches its kernels cannot decide; the backend without the op (nccl, through the
-CPU fakes) raises BackendUnavailableError saying where it runs."""
+for batches its kernels cannot decide; the nccl backend (through the CPU fakes) runs the
+op on its kernels (tests/test_nccl_verify.py has the matrix)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from ipc_dpsample import BackendUnavailableError
 from ipc_dpsample.arrays import describe
 from ipc_dpsample.backends.base import RealRows
 from ipc_dpsample.layout import TOP_K_DISABLED, reference_verify_batch_vocab, verify_params
@@ -163,14 +162,7 @@ def test_op_code_and_divergence_message() -> None:
     assert "call sequences diverged" in msg and "every later call raises" in msg, msg
 
 
-# -- the backends without the op -----------------------------------------------------------
-def _assert_unavailable(exc: BaseException) -> None:
-    text = str(exc)
-    assert isinstance(exc, BackendUnavailableError), repr(exc)
-    assert "verify_batch_vocab" in text and 'backend="torch"' in text, text
-    assert 'backend="onesided"' in text and "NCCL" in text and "gloo" in text, text
-
-
+# -- the GPU backends ---------------------------------------------------------------------
 def _backend_args(cfg_n: int = N) -> tuple[Any, ...]:
     x = np.ones((PAD_BS * cfg_n, V), np.float32)
     cand = np.zeros((PAD_BS, cfg_n), np.int32)
@@ -210,26 +202,34 @@ def test_onesided_backend_moves_the_logits_for_top_p_without_top_k(
     assert backend.last_verify_path.startswith("swap: request 0 has top_p=0.9 / min_p=0")
 
 
-def test_nccl_backend_raises_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the CPU fakes of tests/test_nccl_host.py (thread ranks, emulated kernels)."""
+def test_nccl_backend_runs_verify_on_its_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the CPU fakes of tests/test_nccl_host.py (thread ranks, emulated kernels):
+    the op runs on the verify kernels and equals the reference."""
     from fakes.emulator import emulator
     from fakes.host import host_backends
 
     make, _ = host_backends(monkeypatch, emulator())
 
-    def body(rank: int, backend: Any, log: list) -> str:
+    def body(rank: int, backend: Any, log: list) -> tuple[Any, ...]:
         x, xi, cand, ci, params = _backend_args(backend.cfg.num_tokens_per_req)
-        before = list(log)
-        try:
-            backend.verify_batch_vocab(
-                x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=True,
-                bs=RealRows.every(PAD_BS), stream=None,
-            )  # fmt: skip
-        except BackendUnavailableError as exc:
-            assert log == before, "the op moved something before it raised"
-            return str(exc)
-        raise AssertionError("the nccl backend ran verify_batch_vocab")
+        backend.prepare("float32")  # the communicator does it from the logits' dtype
+        outs = backend.verify_batch_vocab(
+            x, xi, cand, ci, pad_bs=PAD_BS, params=params, return_logprobs=True,
+            bs=RealRows.every(PAD_BS), stream=None,
+        )  # fmt: skip
+        assert backend.last_verify_path == "kernels"
+        assert [e[0] for e in log] == ["allGather", "allGather"]  # tp = 1: only the gathers
+        return tuple(np.array(o) for o in outs)
 
-    (text,) = make(1, body, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
-    _assert_unavailable(BackendUnavailableError(text))
-    assert "NCCL kernels" in text, text
+    (got,) = make(1, body, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
+    x, _, cand, _, _ = _backend_args()
+    want = reference_verify_batch_vocab(
+        [x], cand, tp=1, pad_bs=PAD_BS, dtype="float32", return_logprobs=True,
+        temperature=np.ones(PAD_BS, np.float32), seed=np.ones(PAD_BS, np.int64),
+        offset=np.ones(PAD_BS, np.int64),
+    )  # fmt: skip
+    for g, w in zip(got[:3], want[:3], strict=True):
+        np.testing.assert_array_equal(g, w)
+    lp = got[3].view(np.float32)  # the fakes' host views show float32 as its bits
+    ulps = np.abs(lp.view(np.int32).astype(np.int64) - want[3].view(np.int32))
+    assert ulps.max() <= 1, ulps

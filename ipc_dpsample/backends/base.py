@@ -143,7 +143,8 @@ def verify_unavailable(why: str) -> BackendUnavailableError:
     where the op runs in this version."""
     return BackendUnavailableError(
         f"verify_batch_vocab is not available here: {why}. In this version the op runs on "
-        'the onesided backend (CUDA IPC, ranks on one host: backend="onesided") and on '
-        'the torch backend (backend="torch", without fallback_comm_backend; it moves CUDA '
-        "tensors over NCCL, gloo for ranks that share a GPU, and CPU tensors over gloo)"
+        'the onesided backend (CUDA IPC, ranks on one host: backend="onesided"), on the '
+        'nccl backend (one GPU per rank: backend="nccl") and on the torch backend '
+        '(backend="torch"; it moves CUDA tensors over NCCL, gloo for ranks that share a '
+        "GPU, and CPU tensors over gloo)"
     )

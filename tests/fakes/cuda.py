@@ -80,6 +80,7 @@ class FakeRuntime:
         self.device = device
         self.capturing: set[int] = set()  # stream handles under capture
         self.capture_queries: list[int] = []
+        self.copies: list[tuple[int, int, int]] = []  # (nbytes, kind, stream handle)
 
     def getDevice(self) -> int:
         return self.device
@@ -96,6 +97,12 @@ class FakeRuntime:
 
     def deviceSynchronize(self) -> None:
         pass
+
+    def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, handle: int) -> None:
+        """Done at once: every emulated kernel also runs when it is launched, so this is
+        stream order. Logged in :attr:`copies`."""
+        self.copies.append((nbytes, kind, handle))
+        ctypes.memmove(dst, src, nbytes)
 
     def freeHost(self, ptr: int) -> None:
         pass

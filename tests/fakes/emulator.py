@@ -1,12 +1,19 @@
 """The CUDA kernels of ``kernels/`` built with g++ and run on the CPU.
 
-``kernels/nccl.cu`` and ``kernels/argmax.cu`` include no toolkit header, so g++
-builds them with a few definitions: one ``std::thread`` per CUDA thread, ``std::barrier`` for
-``__syncthreads``, blocks in turn, one kernel at a time. :func:`launch_params` is
-the emulated ``cuLaunchKernel``: it takes the kernel's name and the same
-``void**`` parameter block (every argument 8 bytes) that
+``kernels/nccl.cu``, ``kernels/argmax.cu`` and ``kernels/verify.cu`` include no toolkit
+header, so g++ builds them with a few definitions: one ``std::thread`` per CUDA thread,
+``std::barrier`` for ``__syncthreads``, GCC ``__atomic`` builtins for ``atomicAdd`` /
+``atomicCAS``, blocks in turn, one kernel at a time, and ``-ffp-contract=off`` (the
+verify kernels' float decisions are IEEE basic operations without contraction).
+:func:`launch_params` is the emulated ``cuLaunchKernel``: it takes the kernel's name
+and the same ``void**`` parameter block (every argument 8 bytes) that
 :class:`ipc_dpsample.backends.common.PreparedLaunch` hands the driver, so the host
 code's argument packing runs for real.
+
+The verify kernels run with at most :data:`BLOCK_CAP` threads per block whatever the
+launch asks (they are correct for any power-of-two block up to ``DV_BLOCK``; 256
+``std::thread`` per block would make every call take seconds on a small CPU). The
+launch's own block size is logged in :attr:`Emulator.blocks`.
 """
 
 from __future__ import annotations
@@ -39,14 +46,23 @@ std::barrier<>* g_barrier = nullptr;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(x)
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 inline void __threadfence_system() {}
 inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
 #define DP_ARGMAX_CPU_EMULATION 1
 #define __shared__ static
 #define __expf(x) std::exp(static_cast<float>(x))
 #include "nccl.cu"
 #include "argmax.cu"
+#include "verify.cu"
 static std::mutex g_launch;  // one kernel at a time (ranks may be threads of this process)
 static void launch(int grid, int block, const std::function<void()>& body) {
   std::lock_guard<std::mutex> lock(g_launch);
@@ -78,6 +94,8 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
     body = [a]() { nccl_header(a[0], a[1], a[2], a[3], a[4], a[5]); };
   else if (k == "nccl_finish")
     body = [a]() { nccl_finish(a[0], a[1], a[2], a[3], a[4], a[5], a[6]); };
+  else if (k == "nccl_verify_finish")
+    body = [a]() { nccl_verify_finish(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]); };
   else if (k == "nccl_pack")
     body = [a]() {
       nccl_pack(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
@@ -94,6 +112,14 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
     body = [a]() {
       dp_argmax_combine(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9]);
     };
+  else if (k == "dp_verify_records")
+    body = [a]() {
+      dp_verify_records(A15);
+    };
+  else if (k == "dp_verify_combine")
+    body = [a]() {
+      dp_verify_combine(A15, a[15], a[16]);
+    };
   else return -1;
   launch(grid, block, body);
   return 0;
@@ -105,11 +131,16 @@ ARITY: dict[str, int] = {
     **{f"nccl_permute<{v}>": 15 for v in ("Vec16", "u64", "u32", "u16", "u8")},
     "nccl_header": 6,
     "nccl_finish": 7,
+    "nccl_verify_finish": 8,
     "nccl_pack": 12,
     "nccl_unpack": 12,
     "dp_argmax_partials": 11,
     "dp_argmax_combine": 10,
+    "dp_verify_records": 15,
+    "dp_verify_combine": 17,
 }
+#: Most threads per block the emulation runs of these kernels (see the module docstring).
+BLOCK_CAP: dict[str, int] = {"dp_verify_records": 32, "dp_verify_combine": 32}
 
 
 class Emulator:
@@ -117,6 +148,8 @@ class Emulator:
 
     def __init__(self, lib: Any):
         self.lib = lib
+        #: ``(kernel name, grid, block)`` of every launch, as the caller asked
+        self.blocks: list[tuple[str, int, int]] = []
         lib.emu_launch.argtypes = [
             ctypes.c_char_p,
             ctypes.c_int,
@@ -128,7 +161,9 @@ class Emulator:
 
     def launch_params(self, name: str, grid: int, block: int, params: int, nparams: int) -> None:
         """Run ``name`` on ``grid`` x ``block`` with a ``void**`` parameter block."""
-        rc = self.lib.emu_launch(name.encode(), grid, block, params, nparams)
+        self.blocks.append((name, grid, block))
+        run_block = min(block, BLOCK_CAP.get(name, block))
+        rc = self.lib.emu_launch(name.encode(), grid, run_block, params, nparams)
         assert rc == 0, f"the emulator has no kernel {name!r}"
 
     def launch(self, name: str, grid: int, block: int, *args: int) -> None:
@@ -148,7 +183,7 @@ def _build() -> Emulator | str:
     work = Path(tempfile.mkdtemp(prefix="dp_emulator_"))
     (work / "emulate.cpp").write_text(_SOURCE)
     lib_path = work / "libemulation.so"
-    cmd = [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
+    cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
     cmd += [str(work / "emulate.cpp"), "-o", str(lib_path), "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "barrier" in proc.stderr:

@@ -21,7 +21,11 @@ from fakes.nccl import UID, Fabric, FabricComm, FakeNccl
 from ipc_dpsample.backends.common import InFlightGuard
 from ipc_dpsample.backends.nccl import NcclBackend
 from ipc_dpsample.backends.nccl import setup as nccl_setup
-from ipc_dpsample.backends.nccl.geometry import ARGMAX_KERNEL_NAMES, KERNEL_NAMES
+from ipc_dpsample.backends.nccl.geometry import (
+    ARGMAX_KERNEL_NAMES,
+    KERNEL_NAMES,
+    VERIFY_KERNEL_NAMES,
+)
 from ipc_dpsample.backends.nccl.launcher import Launcher
 from ipc_dpsample.backends.nccl.records import ERROR_WORDS
 from ipc_dpsample.config import CommConfig
@@ -38,7 +42,8 @@ def host_backends(
     NcclBackend over the stand-ins, closes the backends and returns the bodies'
     results; ``driver.launches()`` lists the calling rank's kernel launches."""
     driver = install(monkeypatch, emulator)
-    kernels = {name: driver.kernel(name) for name in (*KERNEL_NAMES, *ARGMAX_KERNEL_NAMES)}
+    names = (*KERNEL_NAMES, *ARGMAX_KERNEL_NAMES, *VERIFY_KERNEL_NAMES)
+    kernels = {name: driver.kernel(name) for name in names}
 
     def prepare_local(self: NcclBackend) -> None:
         self._runtime = FakeRuntime(self.device)

@@ -14,8 +14,9 @@ Modules
 Set-up (collective, every wait bounded by the host group's timeout)
 --------------------------------------------------------------------
 1. Every rank imports ``cupy.cuda.nccl``, compiles ``kernels/nccl.cu`` (NVRTC; the
-   permute template instantiated through ``name_expressions``) and allocates every
-   persistent buffer; rank 0 also creates the NCCL unique id.
+   permute template instantiated through ``name_expressions``), ``kernels/argmax.cu``
+   and ``kernels/verify.cu``, and allocates every persistent buffer; rank 0 also
+   creates the NCCL unique id.
 2. One fixed-size record per rank travels over the host group: ok flag, unique id
    (rank 0), GPU UUID, error text. A failure on any rank, or two ranks on one GPU
    (NCCL refuses that: "Duplicate GPU detected"), makes **every** rank raise
@@ -46,6 +47,23 @@ one prepared ``cuLaunchKernel``)
   ``[tp, W]`` int32 buffer, one in-place ``allGather`` of ``W`` words, an unpack
   kernel writes the persistent outputs. ``W = 4 + max_pad_bs/tp * (2N + 1)`` for
   *both* gathers, independent of ``pad_bs`` and ``bs``.
+* ``verify_batch_vocab`` (sampled speculative verify without moving the logits;
+  docs/verify_contract.md): the per-request parameters (``DvParams [pad_bs]``, read
+  on the host) are copied to the device; ``nccl_header``; ``dp_verify_records``
+  (kernels/verify.cu) reduces every real row of the whole ``[pad_bs*N, V/tp]`` shard
+  to one record of ``record_words(cap)`` u32 (``cap`` the call's largest top-k: 48
+  bytes for greedy/temperature batches, up to 1072 at top-k 128) into a send buffer
+  whose block ``o`` holds rank ``o``'s rows; one NCCL group moves ``R*N*
+  record_words(cap)*4`` bytes plus the 16-byte header per peer pair; the own block is
+  copied into its receive slot; ``dp_verify_combine`` turns the ``tp`` records of each
+  of this rank's rows into the sampled token (bit for bit the reference) and runs the
+  accept chain; ``nccl_verify_finish`` checks the headers and the combine's argument
+  check; then the gathers above run inside the same op: 6 launches (8 with
+  logprobs), the parameters' host-to-device copy, the own block's device copy (none
+  at tp = 1), one send/recv group and one ``allGather`` (two with logprobs). A batch
+  with a real request that has top-p or min-p but no top-k takes ``verify_by_swap``
+  (swap, the package's torch sampler, gathers). Not CUDA-graph capturable in this
+  version (raises under capture).
 
 Real rows (``bs``)
 ------------------
@@ -57,8 +75,9 @@ Real rows (``bs``)
   and keep the op CUDA-graph capturable: a replay reads the scalar's new value (the
   header kernel and the pack kernel put it into the header; the permute and the
   argmax kernels read it from there and handle the real rows it names).
-* argmax moves fixed byte counts for a host ``bs`` too (12 bytes a row); its
-  kernels skip phantom rows. Phantom rows are undefined in every output.
+* argmax and verify move fixed byte counts for a host ``bs`` too (12 bytes a row,
+  ``record_words(cap)*4`` bytes a row); their kernels skip phantom rows. Phantom
+  rows are undefined in every output.
 
 Mismatch detection
 ------------------
@@ -74,17 +93,27 @@ block; every rank that took part sees a difference, so every rank raises
 the mismatched call are undefined.
 
 Caught (equal byte counts, different headers), on every rank: another gather (any
-``pad_bs`` or ``bs``), another ``bs`` in a gather, in an argmax (host or device) or
-in a swap with a device ``bs`` on every rank, another logits dtype in an argmax,
-or in a swap of the same element size (bfloat16 vs float16).
+``pad_bs`` or ``bs``), another ``bs`` in a gather, in an argmax or verify (host or
+device) or in a swap with a device ``bs`` on every rank, another logits dtype in an
+argmax or verify, or in a swap of the same element size (bfloat16 vs float16).
+
+``verify_batch_vocab``'s other arguments: every record carries a digest of the call's
+per-request parameters, ``vocab_limit``, ``bs`` and ``return_logprobs``
+(``verify_plan.params_digest``) and the row's candidate; the owner's combine compares
+them with its own and ``nccl_verify_finish`` writes ``ERR_PARAMS`` (naming the first
+rank whose records differ) and flips ``SEQ_DIVERGED`` in this rank's ``seq``, so the
+headers of the gathers in the same op differ from every peer's and every rank that
+took part raises, not only the owners that saw the difference (a differing
+parameter changes every record's digest; a differing candidate only that row's).
 
 Limits (NCCL's, not fixable without a host sync per call): transfers whose sizes
 differ between ranks make NCCL wait forever (NCCL has no timeout of its own), and
-are undefined in general: a swap or argmax with another ``pad_bs``, a swap with
-another element size, a swap with another *host* ``bs`` (its byte counts follow
-``bs``), a swap with a host ``bs`` on one rank and a device ``bs`` on another, ops
+are undefined in general: a swap, argmax or verify with another ``pad_bs``, a swap
+with another element size, a swap with another *host* ``bs`` (its byte counts follow
+``bs``), a swap with a host ``bs`` on one rank and a device ``bs`` on another, a
+verify whose largest top-k differs between ranks (its record size follows it), ops
 of different kinds on different ranks (swap vs argmax: ``R*N*V/tp*itemsize`` vs
-``R*N*12`` bytes per pair; either vs a gather: send/recv vs allGather), a dead
+``R*N*12`` bytes per pair; any of them vs a gather: send/recv vs allGather), a dead
 peer. Use ``check()`` (``ncclCommGetAsyncError``) from a watchdog, and prefer
 the one-sided backend within one host, whose waits are bounded.
 
@@ -95,7 +124,8 @@ stream while the previous op is in flight raises before anything is launched.
 Lifetime: :meth:`NcclBackend.close` waits (bounded) for every rank at a host
 barrier, then destroys the communicator; if a peer is gone it aborts instead and
 warns. Outputs are views of persistent buffers, valid until the next op of the
-same kind. ``prepare`` does no device work.
+same kind (``verify_batch_vocab`` returns the gathers' outputs: valid until the next
+verify or gather). ``prepare`` does no device work.
 """
 
 from __future__ import annotations

@@ -9,15 +9,20 @@ import struct
 import warnings
 from typing import Any
 
+import numpy as np
+
 from ...arrays import ITEMSIZE, ArrayInfo, ArrayKind, resolve_stream
 from ...config import CommConfig
 from ...errors import BackendUnavailableError, DpSampleError
 from ...group import HostGroup
+from ...layout import VerifyParams, real_reqs
 from ...protocol import Dtype, Op
-from ..base import Backend, RealRows, verify_unavailable
+from ..base import Backend, RealRows
 from ..common import InFlightGuard, ViewCache, array_ptr
+from ..verify_plan import kernel_path_refusal, list_cap, pack_params, params_digest
+from ..verify_swap import verify_by_swap
 from .geometry import packed_width
-from .plan import ArgmaxPlan, GatherPlan, SwapPlan
+from .plan import ArgmaxPlan, GatherPlan, SwapPlan, VerifyPlan
 from .records import (
     ERROR_BYTES,
     ERROR_WORDS,
@@ -27,6 +32,11 @@ from .records import (
 from .setup import NcclSetup
 
 __all__ = ["NcclBackend"]
+
+#: ``cudaMemcpyKind`` values (``cupy.cuda.runtime.memcpyHostToDevice`` / ``...DeviceToDevice``).
+_H2D, _D2D = 1, 3
+#: Most CTAs of a grid-stride launch over rows.
+_MAX_GRID = 65535
 
 
 class NcclBackend(NcclSetup, Backend):
@@ -85,17 +95,21 @@ class NcclBackend(NcclSetup, Backend):
         self.width = packed_width(cfg.max_pad_bs, self.tp, cfg.num_tokens_per_req)
         self._max_itemsize = ITEMSIZE[cfg.logits_dtype] if cfg.logits_dtype is not None else 4
         self._argmax_plans: dict[tuple[int, int], ArgmaxPlan] = {}
+        self._verify_plans: dict[tuple[int, int], VerifyPlan] = {}
+        #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
+        self.last_verify_path = ""
         self._plans: list[dict[Any, Any]] = [
             self._swap_plans,
             self._gather_plans,
             self._argmax_plans,
+            self._verify_plans,
         ]
         self._set_up()
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
     def prepare(self, logits_dtype: str) -> None:
-        """Make the swap and argmax ready for ``logits_dtype`` (host only: no device
+        """Make the swap, argmax and verify ready for ``logits_dtype`` (host only: no device
         work, so it may be called between graph captures).
 
         Raises
@@ -115,6 +129,7 @@ class NcclBackend(NcclSetup, Backend):
         self.logits_dtype = logits_dtype
         self._swap_plans.clear()
         self._argmax_plans.clear()
+        self._verify_plans.clear()
         self._views.drop(lambda key: key[0] == "swap")
 
     # -- per-call plumbing --------------------------------------------------------------
@@ -224,24 +239,46 @@ class NcclBackend(NcclSetup, Backend):
     ) -> None:
         handle, capturing, prev = self._begin(kind, stream)
         try:
-            key = (op, pad_bs)
-            plan = self._gather_plans.get(key)
-            if plan is None:
-                plan = self._gather_plans[key] = GatherPlan(self, op, pad_bs)
-            plan.pack(handle, *srcs, bs.bs, bs.ptr)
-            nccl = self._nccl
-            try:
-                self._comm.allGather(
-                    plan.slot, self.ptr["grecv"], self.width, nccl.NCCL_INT32, handle
-                )
-            except nccl.NcclError as exc:
-                raise DpSampleError(
-                    f"rank {self.rank}: NCCL allGather of {op.api_name} failed: {exc}"
-                ) from exc
-            plan.unpack(handle)
+            self._gather_on(op, srcs, pad_bs, bs, handle)
             self._end(handle, capturing)
         finally:
             self._restore(prev)
+
+    def _gather_on(
+        self, op: Op, srcs: tuple[int, int, int], pad_bs: int, bs: RealRows, handle: int
+    ) -> None:
+        """Pack, ``allGather``, unpack of one gather on ``handle`` (inside an op's
+        :meth:`_begin` / :meth:`_end`)."""
+        key = (op, pad_bs)
+        plan = self._gather_plans.get(key)
+        if plan is None:
+            plan = self._gather_plans[key] = GatherPlan(self, op, pad_bs)
+        plan.pack(handle, *srcs, bs.bs, bs.ptr)
+        nccl = self._nccl
+        try:
+            self._comm.allGather(plan.slot, self.ptr["grecv"], self.width, nccl.NCCL_INT32, handle)
+        except nccl.NcclError as exc:
+            raise DpSampleError(
+                f"rank {self.rank}: NCCL allGather of {op.api_name} failed: {exc}"
+            ) from exc
+        plan.unpack(handle)
+
+    def _output_views(self, kind: ArrayKind, pad_bs: int) -> tuple[Any, Any, Any]:
+        """Views ``[pad_bs, N]``, ``[pad_bs, N]``, ``[pad_bs]`` int32 of the gathered
+        verify outputs."""
+        shape = (pad_bs, self.cfg.num_tokens_per_req)
+        p = self.ptr
+        specs = (
+            (p["predict"], shape, "int32"),
+            (p["accept_index"], shape, "int32"),
+            (p["accept_length"], (pad_bs,), "int32"),
+        )
+        return self._views.get_many(kind, ("outputs", pad_bs), specs)  # type: ignore[return-value]
+
+    def _logprobs_view(self, kind: ArrayKind, pad_bs: int) -> Any:
+        """View ``[pad_bs, N]`` float32 of the gathered logprobs."""
+        shape = (pad_bs, self.cfg.num_tokens_per_req)
+        return self._views.get(kind, ("logprobs", pad_bs), self.ptr["logprobs"], shape, "float32")
 
     def gather_verify_outputs(
         self,
@@ -261,14 +298,7 @@ class NcclBackend(NcclSetup, Backend):
         bs = RealRows.every(pad_bs) if bs is None else bs
         srcs = (info.ptr, array_ptr(accept_index, kind), array_ptr(accept_length, kind))
         self._gather(Op.GATHER_OUTPUTS, kind, srcs, pad_bs, bs, stream)
-        shape = (pad_bs, self.cfg.num_tokens_per_req)
-        p = self.ptr
-        specs = (
-            (p["predict"], shape, "int32"),
-            (p["accept_index"], shape, "int32"),
-            (p["accept_length"], (pad_bs,), "int32"),
-        )
-        return self._views.get_many(kind, ("outputs", pad_bs), specs)  # type: ignore[return-value]
+        return self._output_views(kind, pad_bs)
 
     def gather_verify_logprobs(
         self,
@@ -283,10 +313,7 @@ class NcclBackend(NcclSetup, Backend):
         other gather)."""
         bs = RealRows.every(pad_bs) if bs is None else bs
         self._gather(Op.GATHER_LOGPROBS, info.kind, (info.ptr, 0, 0), pad_bs, bs, stream)
-        shape = (pad_bs, self.cfg.num_tokens_per_req)
-        return self._views.get(
-            info.kind, ("logprobs", pad_bs), self.ptr["logprobs"], shape, "float32"
-        )
+        return self._logprobs_view(info.kind, pad_bs)
 
     def argmax_batch_vocab(
         self,
@@ -345,6 +372,13 @@ class NcclBackend(NcclSetup, Backend):
         return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
 
     # -- verify -------------------------------------------------------------------
+    def _verify_plan(self, pad_bs: int, vocab_limit: int) -> VerifyPlan:
+        key = (pad_bs, vocab_limit)
+        plan = self._verify_plans.get(key)
+        if plan is None:
+            plan = self._verify_plans[key] = VerifyPlan(self, pad_bs, vocab_limit)
+        return plan
+
     def verify_batch_vocab(
         self,
         x: Any,
@@ -353,18 +387,115 @@ class NcclBackend(NcclSetup, Backend):
         candidates_info: ArrayInfo,
         *,
         pad_bs: int,
-        params: Any,
+        params: VerifyParams,
         return_logprobs: bool,
         bs: RealRows,
         stream: Any,
     ) -> tuple[Any, ...]:
-        """Not in this version: raises :class:`~ipc_dpsample.errors.BackendUnavailableError`
-        (the NCCL kernels of this op are not written yet)."""
-        raise verify_unavailable("the NCCL kernels of this op are not written yet")
+        """``x[pad_bs*N, V/tp]`` and int32 ``candidates[pad_bs, N]`` -> views (predict
+        int32 ``[pad_bs, N]``, accept_index int32 ``[pad_bs, N]``, accept_length int32
+        ``[pad_bs]``, and with ``return_logprobs`` logprobs float32 ``[pad_bs, N]``) of
+        the gathered outputs (:func:`ipc_dpsample.layout.reference_verify_batch_vocab`).
+
+        Kernel path (kernels/verify.cu), on the caller's stream: the parameters
+        (``DvParams [pad_bs]``) copied to the device; ``nccl_header``;
+        ``dp_verify_records`` reduces every real row of the whole input to one record
+        (``record_words(cap)`` u32, ``cap`` the call's largest top-k); one NCCL group
+        moves ``R*N*record_words(cap)*4`` bytes plus the 16-byte header per peer pair
+        (fixed for every ``bs``); this rank's own block is copied into its receive
+        slot; ``dp_verify_combine`` writes this rank's ``R`` requests' results;
+        ``nccl_verify_finish`` (headers, the combine's argument check, seq); then the
+        ``gather_verify_outputs`` (and ``gather_verify_logprobs``) collectives of those
+        results, all inside this one op. A batch the kernels cannot decide (a real
+        request with top-p or min-p but no top-k) takes
+        :func:`~ipc_dpsample.backends.verify_swap.verify_by_swap` instead (swap, the
+        package's sampler, gathers). ``last_verify_path`` says which ran.
+
+        Ranks whose per-request parameters, candidates, ``vocab_limit`` or
+        ``return_logprobs`` differ: every rank that took part raises
+        :class:`DpSampleError` at its next call or :meth:`check` (the combine compares
+        a parameter digest and the candidate in every record; the rank that saw the
+        difference marks the headers of the same call's gathers). Ranks whose largest
+        top-k differs move different byte counts: NCCL's limit (see the package
+        docstring).
+
+        Raises
+        ------
+        DpSampleError
+            The stream is being captured into a CUDA graph (not capturable in this
+            version: the parameters are read on the host per call); an earlier op's
+            reported error; a failed NCCL call.
+        """
+        handle = resolve_stream(info.kind, stream, self.device)
+        if self._runtime.streamIsCapturing(handle) != 0:
+            raise DpSampleError(
+                "verify_batch_vocab cannot be captured in a CUDA graph in this version: "
+                "it reads the per-request parameters on the host when it is called; "
+                "call it outside the capture"
+            )
+        refusal = kernel_path_refusal(params, self.tp)
+        if refusal is not None:
+            self.last_verify_path = f"swap: {refusal}"
+            return verify_by_swap(
+                self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
+                return_logprobs=return_logprobs, bs=bs, stream=stream, tp=self.tp,
+                rank=self.rank, device=self.device,
+            )  # fmt: skip
+        packed = np.ascontiguousarray(pack_params(params))
+        cap = list_cap(params)
+        digest = params_digest(params, packed, cap, return_logprobs)
+        n, p = self.cfg.num_tokens_per_req, self.ptr
+        handle, capturing, prev = self._begin(info.kind, stream)
+        try:
+            plan = self._verify_plan(pad_bs, params.vocab_limit)
+            moves, chunk = plan.moves_for(cap)
+            # pageable source: the call returns once the bytes are staged, in stream order
+            self._runtime.memcpyAsync(p["vparams"], packed.ctypes.data, packed.nbytes, _H2D, handle)
+            plan.header(handle, bs.bs, bs.ptr)
+            values = (info.ptr, candidates_info.ptr, cap, int(return_logprobs), digest)
+            values += (bs.ptr, bs.bs)
+            real = plan.reqs if bs.on_device else real_reqs(plan.reqs, bs.bs, self.rank)
+            rows = pad_bs * n if bs.on_device else bs.bs * n
+            plan.records(handle, *values, grid=max(1, min(_MAX_GRID, rows)))
+            send, recv = plan.send_base, plan.recv_base
+            if moves:
+                self._exchange("verify_batch_vocab", moves, send, recv, chunk, handle)
+            if recv != send and not self.route_self:
+                own = self.rank * chunk
+                self._runtime.memcpyAsync(recv + own, send + own, chunk, _D2D, handle)
+            plan.combine(handle, *values[1:], grid=max(1, min(_MAX_GRID, real)))
+            plan.finish(handle)
+            results = (p["vpredict"], p["vaccept_index"], p["vaccept_length"])
+            self._gather_on(Op.GATHER_OUTPUTS, results, pad_bs, bs, handle)
+            if return_logprobs:
+                self._gather_on(Op.GATHER_LOGPROBS, (p["vlogprobs"], 0, 0), pad_bs, bs, handle)
+            self._end(handle, capturing)
+        finally:
+            self._restore(prev)
+        self.last_verify_path = "kernels"
+        outs = self._output_views(info.kind, pad_bs)
+        if not return_logprobs:
+            return outs
+        return (*outs, self._logprobs_view(info.kind, pad_bs))
+
+    # -- tests --------------------------------------------------------------------
+    def poison_for_testing(self, byte: int = 0xFF) -> None:
+        """Fill the verify buffers (records, parameters, this rank's results) and the
+        gathered outputs with ``byte`` (tests call this between ops, after a group
+        barrier, to prove which output elements are written). Synchronous."""
+        for name in (
+            "vsend", "vrecv", "vparams", "vpredict", "vaccept_index", "vaccept_length",
+            "vlogprobs", "predict", "accept_index", "accept_length", "logprobs",
+        ):  # fmt: skip
+            buf = self._bufs.get(name)
+            if buf is not None:
+                buf.fill(byte)
+        self._runtime.deviceSynchronize()
 
     def check(self) -> None:
-        """Raise the first header mismatch any kernel reported, then any asynchronous
-        NCCL error (``ncclCommGetAsyncError``), as :class:`DpSampleError`.
+        """Raise the first error any kernel reported (a header mismatch, or
+        ``verify_batch_vocab`` arguments that differ between ranks), then any
+        asynchronous NCCL error (``ncclCommGetAsyncError``), as :class:`DpSampleError`.
 
         Synchronise the ops' stream first to see the latest op's result."""
         if self._closed:

@@ -16,6 +16,9 @@ __all__ = [
     "PARTIAL_BYTES",
     "PERMUTE_TYPES",
     "SOURCE",
+    "VERIFY_BLOCK",
+    "VERIFY_KERNEL_NAMES",
+    "VERIFY_SOURCE",
     "PermuteLaunch",
     "argmax_buffer_bytes",
     "argmax_slots",
@@ -25,6 +28,7 @@ __all__ = [
     "permute_name",
     "swap_moves",
     "vector_width",
+    "verify_moves",
 ]
 
 SOURCE = "nccl.cu"
@@ -44,12 +48,26 @@ def permute_name(width: int) -> str:
 #: Template instantiations compiled through ``RawModule(name_expressions=...)``.
 NAME_EXPRESSIONS = tuple(permute_name(w) for w in PERMUTE_TYPES)
 #: Every kernel the backend loads from :data:`SOURCE`.
-KERNEL_NAMES = (*NAME_EXPRESSIONS, "nccl_header", "nccl_finish", "nccl_pack", "nccl_unpack")
+KERNEL_NAMES = (
+    *NAME_EXPRESSIONS,
+    "nccl_header",
+    "nccl_finish",
+    "nccl_verify_finish",
+    "nccl_pack",
+    "nccl_unpack",
+)
 #: The argmax kernels (kernels/argmax.cu, shared with other backends).
 ARGMAX_SOURCE = "argmax.cu"
 ARGMAX_KERNEL_NAMES = ("dp_argmax_partials", "dp_argmax_combine")
 #: Bytes of one row's argmax partial: max bits, global index, sumexp bits (u32 each).
 PARTIAL_BYTES = 12
+#: The verify kernels (kernels/verify.cu, the device code shared with the one-sided
+#: backend): records of the whole local input, the owner's combine.
+VERIFY_SOURCE = "verify.cu"
+VERIFY_KERNEL_NAMES = ("dp_verify_records", "dp_verify_combine")
+#: Threads per CTA of both verify kernels (``DV_BLOCK`` in verify.cuh: their shared
+#: arrays hold at most that many).
+VERIFY_BLOCK = 256
 
 
 def packed_width(max_pad_bs: int, tp: int, n: int) -> int:
@@ -174,3 +192,27 @@ def argmax_slots(tp: int, rank: int, chunk: int) -> tuple[int, int, int]:
     send = (tp - 1) * (tp - 1) * chunk
     recv = send + rank * chunk - rank * stride
     return send, recv, stride
+
+
+def verify_moves(tp: int, rank: int, chunk: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The data steps of ``verify_batch_vocab``: step ``k`` sends the records of
+    ``dst = (rank + k) % tp``'s rows (block ``dst`` of the send buffer, ``chunk``
+    bytes at ``dst * chunk``) and receives ``chunk`` bytes from ``src = (rank - k) %
+    tp`` (into slot ``src`` of the receive buffer). This rank's own block never
+    travels.
+
+    Parameters
+    ----------
+    tp, rank : int
+    chunk : int
+        Bytes of one peer's block: ``R * N * record_words(cap) * 4``; the same for
+        every pair and every ``bs`` (fixed counts).
+
+    Returns
+    -------
+    tuple of ``(dst, send_offset, send_bytes, src, recv_bytes)``, as :func:`swap_moves`.
+    """
+    return tuple(
+        ((rank + k) % tp, (rank + k) % tp * chunk, chunk, (rank - k) % tp, chunk)
+        for k in range(1, tp)
+    )

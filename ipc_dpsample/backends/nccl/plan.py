@@ -10,18 +10,21 @@ from ...arrays import ITEMSIZE
 from ...protocol import Call, Dtype, Op
 from ..base import RealRows
 from ..common import PreparedLaunch
+from ..verify_plan import record_words
 from .geometry import (
     PARTIAL_BYTES,
+    VERIFY_BLOCK,
     argmax_slots,
     linear_grid,
     permute_launch,
     permute_name,
     swap_moves,
     vector_width,
+    verify_moves,
 )
 from .setup import NcclSetup
 
-__all__ = ["ArgmaxPlan", "GatherPlan", "SwapPlan", "tag_of"]
+__all__ = ["ArgmaxPlan", "GatherPlan", "SwapPlan", "VerifyPlan", "tag_of"]
 
 Moves = tuple[tuple[int, int, int, int, int], ...]
 
@@ -240,3 +243,93 @@ class ArgmaxPlan:
             ((rank + k) % tp, (rank + k) % tp * chunk, chunk, (rank - k) % tp, chunk)
             for k in range(1, tp)
         )
+
+
+#: Most CTAs of a grid-stride launch over rows.
+_MAX_GRID = 65535
+
+
+class VerifyPlan:
+    """Every launch and peer step of ``verify_batch_vocab``'s kernel path for one
+    ``pad_bs`` and ``vocab_limit`` (kernels/verify.cu; the host half of the records is
+    :mod:`ipc_dpsample.backends.verify_plan`).
+
+    Per call the host passes what depends on the call's parameters: the input and
+    candidates pointers, the list capacity ``cap``, ``return_logprobs``, the parameter
+    digest and ``bs`` (host value, or the device scalar the kernels read).
+
+    Attributes
+    ----------
+    reqs : int
+        ``R = pad_bs / tp``, this rank's requests ``[rank*R, (rank+1)*R)``.
+    header : PreparedLaunch
+        ``nccl_header``; per call ``(bs, bs_ptr)``.
+    records : PreparedLaunch
+        ``dp_verify_records`` over the whole ``[pad_bs*N, V/tp]`` input into the send
+        buffer ``[pad_bs*N][record_words(cap)]`` u32 (rows of requests ``>= bs``
+        skipped); per call ``(src, cand, cap, want_lp, digest, bs_ptr, bs)`` and the
+        grid.
+    combine : PreparedLaunch
+        ``dp_verify_combine`` of the receive buffer ``[tp][R*N][record_words(cap)]``
+        into this rank's results (int32 predict/accept_index ``[R, N]``, accept_length
+        ``[R]``, float32 logprobs ``[R, N]``); per call ``(cand, cap, want_lp, digest,
+        bs_ptr, bs)`` and the grid.
+    finish : PreparedLaunch
+        ``nccl_verify_finish``: the header check, the combine's error word into the
+        error block, seq. Nothing per call.
+    send_base, recv_base : int
+        Device addresses of the send and receive buffers (the same buffer at tp = 1
+        without ``route_self``: slot 0 is block 0).
+    """
+
+    def __init__(self, backend: NcclSetup, pad_bs: int, vocab_limit: int):
+        b, cfg = backend, backend.cfg
+        assert b.logits_dtype is not None
+        dtype = Dtype.of(b.logits_dtype)
+        n, tp, rank = cfg.num_tokens_per_req, b.tp, b.rank
+        self.reqs = reqs = pad_bs // tp
+        self._tp, self._rank, self._n, self._route_self = tp, rank, n, b.route_self
+        vs = cfg.vocab_size // tp
+        p, launcher = b.ptr, b.launcher
+        self.send_base, self.recv_base = p["vsend"], p["vrecv"]
+        rows = pad_bs * n
+        self.header = launcher.header(tag_of(Op.VERIFY, dtype), pad_bs, p["my_hdr"], p["counter"])
+        self.records = launcher.prepare(
+            "dp_verify_records",
+            max(1, min(_MAX_GRID, rows)),
+            (0,) * 7
+            + (p["vparams"], rows, vs, rank * vs, vocab_limit, int(dtype), n, self.send_base),
+            7,
+            block=VERIFY_BLOCK,
+        )
+        outs = (p["vpredict"], p["vaccept_index"], p["vaccept_length"], p["vlogprobs"])
+        self.combine = launcher.prepare(
+            "dp_verify_combine",
+            max(1, reqs),
+            (0,) * 6 + (self.recv_base, p["vparams"], tp, reqs, n, rank * reqs, *outs, p["verr"]),
+            6,
+            block=VERIFY_BLOCK,
+        )
+        self.finish = launcher.prepare(
+            "nccl_verify_finish",
+            1,
+            (p["hdr_recv"], tp, rank, p["my_hdr"], p["counter"], b.err_dev, rank, p["verr"]),
+            0,
+            block=1,
+        )
+        self._moves: dict[int, tuple[Moves, int]] = {}
+
+    def moves_for(self, cap: int) -> tuple[Moves, int]:
+        """``(moves, chunk)`` for list capacity ``cap``: the peer steps
+        (:func:`~.geometry.verify_moves`; with ``route_self`` also step 0, this rank's
+        own block through NCCL) and the bytes of one block, ``R*N*record_words(cap)*4``,
+        which is also the stride of the receive buffer's slots."""
+        got = self._moves.get(cap)
+        if got is None:
+            tp, rank = self._tp, self._rank
+            chunk = self.reqs * self._n * record_words(cap) * 4
+            moves = verify_moves(tp, rank, chunk)
+            if self._route_self:
+                moves = ((rank, rank * chunk, chunk, rank, chunk), *moves)
+            got = self._moves[cap] = (moves, chunk)
+        return got

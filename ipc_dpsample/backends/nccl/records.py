@@ -19,10 +19,12 @@ __all__ = [
     "ERROR_BYTES",
     "ERROR_WORDS",
     "ERR_MISMATCH",
+    "ERR_PARAMS",
     "HDR_BYTES",
     "HDR_WORDS",
     "INIT_RECORD",
     "NCCL_UNIQUE_ID_BYTES",
+    "SEQ_DIVERGED",
     "SETUP_RECORD",
     "UniqueIdForm",
     "format_error_block",
@@ -45,6 +47,17 @@ HDR_BYTES = 4 * HDR_WORDS
 ERROR_WORDS = 16
 ERROR_BYTES = 4 * ERROR_WORDS
 ERR_MISMATCH = 1
+#: ``nccl_verify_finish``: the verify combine saw a record whose parameter digest or
+#: candidate differs from this rank's (``peer`` = that record's source rank).
+ERR_PARAMS = 2
+#: Flipped in a rank's ``seq`` by ``nccl_verify_finish`` when its combine saw other
+#: arguments, so that every peer's next header check (the same call's gathers) differs.
+SEQ_DIVERGED = 1 << 30
+#: What ``verify_batch_vocab``'s records compare besides the header.
+_VERIFY_ARGS = (
+    "verify_batch_vocab arguments (candidates, temperature, top_k, top_p, min_p, seed, "
+    "offset, vocab_limit or return_logprobs)"
+)
 
 UniqueIdForm = Literal["bytes", "tuple"]
 
@@ -282,14 +295,30 @@ def format_error_block(words: Sequence[int], n: int = -1) -> str:
     Returns
     -------
     str
-        :func:`ipc_dpsample.protocol.divergence_message` for a mismatch.
+        :func:`ipc_dpsample.protocol.divergence_message`: for a header mismatch
+        (:data:`ERR_MISMATCH`; a peer header whose ``seq`` differs by exactly
+        :data:`SEQ_DIVERGED` names the verify arguments that peer found different), or
+        for :data:`ERR_PARAMS` (the verify records of rank ``peer`` carried other
+        arguments).
     """
     code, op, rank, peer = (int(w) for w in words[:4])
-    if code != ERR_MISMATCH:
+    if code not in (ERR_MISMATCH, ERR_PARAMS):
         return (
             f"rank {rank}: NCCL backend error code {code} (expected {ERR_MISMATCH}, a header "
-            f"mismatch; op {op}, peer {peer})"
+            f"mismatch, or {ERR_PARAMS}, different verify_batch_vocab arguments; op {op}, "
+            f"peer {peer})"
         )
     mine = Call.from_header(words[4:8], n)
     theirs = Call.from_header(words[8:12], n)
+    if code == ERR_PARAMS:
+        return divergence_message(rank, peer, mine, theirs, "nccl", (_VERIFY_ARGS,))
+    if mine._replace(seq=0) == theirs._replace(seq=0) and mine.seq ^ theirs.seq == SEQ_DIVERGED:
+        # the peer's verify (the op before this one) saw records with other arguments
+        common = divergence_message(rank, peer, mine, theirs, "nccl")
+        tail = common[common.index(" (nccl backend, seen by rank") :]
+        return (
+            f"rank {peer} found records with different {_VERIFY_ARGS} in its "
+            f"verify_batch_vocab call #{mine.seq - 1} (the op before {mine.describe()}) and "
+            f"marked its headers{tail}"
+        )
     return divergence_message(rank, peer, mine, theirs, "nccl")

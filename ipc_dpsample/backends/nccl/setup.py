@@ -19,7 +19,9 @@ from ...config import CommConfig
 from ...errors import BackendUnavailableError
 from ...group import HostGroup
 from ...identity import gpu_uuid
+from ...layout import TOP_K_MAX
 from ..common import InFlightGuard, ViewCache
+from ..verify_plan import PARAMS_DTYPE, record_words
 from .geometry import (
     ARGMAX_KERNEL_NAMES,
     ARGMAX_SOURCE,
@@ -27,6 +29,8 @@ from .geometry import (
     NAME_EXPRESSIONS,
     PARTIAL_BYTES,
     SOURCE,
+    VERIFY_KERNEL_NAMES,
+    VERIFY_SOURCE,
     argmax_buffer_bytes,
 )
 from .launcher import Launcher
@@ -150,6 +154,8 @@ class NcclSetup:
             kernels = {k: mod.get_function(k) for k in KERNEL_NAMES}
             argmax = get_module(ARGMAX_SOURCE, self.device)
             kernels.update((k, argmax.get_function(k)) for k in ARGMAX_KERNEL_NAMES)
+            verify = get_module(VERIFY_SOURCE, self.device)
+            kernels.update((k, verify.get_function(k)) for k in VERIFY_KERNEL_NAMES)
             self.launcher = Launcher(kernels, self.device)
             self._allocate()
             self._guard = InFlightGuard(self.device, self.rank)
@@ -173,6 +179,21 @@ class NcclSetup:
         self._alloc("abuf", argmax_buffer_bytes(tp, rmax * n * PARTIAL_BYTES))
         self._alloc("token_ids", rmax * n * 4)  # int32
         self._alloc("alogprobs", rmax * n * 4)  # float32
+        # verify: records [pad_bs*N][rw] u32 (block o = the rows of rank o's requests)
+        # and received [tp][R*N][rw], sized for the largest record (tp = 1 without
+        # route_self combines straight from the send buffer: its slot 0 is block 0);
+        # DvParams [max_pad_bs]; this rank's results, which the gathers read; the
+        # combine's error word (u32, padded)
+        rec_bytes = record_words(TOP_K_MAX) * 4
+        self._alloc("vsend", cfg.max_pad_bs * n * rec_bytes)
+        if tp > 1 or self.route_self:
+            self._alloc("vrecv", tp * rmax * n * rec_bytes)
+        self._alloc("vparams", cfg.max_pad_bs * PARAMS_DTYPE.itemsize)
+        self._alloc("vpredict", rmax * n * 4)  # int32 [R, N]
+        self._alloc("vaccept_index", rmax * n * 4)  # int32 [R, N]
+        self._alloc("vaccept_length", rmax * 4)  # int32 [R]
+        self._alloc("vlogprobs", rmax * n * 4)  # float32 [R, N]
+        self._alloc("verr", 16)
         for buf in self._bufs.values():
             buf.fill(0)
         self._err_host, self.err_dev = self._alloc_error_block()
@@ -181,6 +202,7 @@ class NcclSetup:
         self._runtime.deviceSynchronize()
         self.ptr = {name: int(buf.data.ptr) for name, buf in self._bufs.items()}
         self.ptr.setdefault("staging", 0)
+        self.ptr.setdefault("vrecv", self.ptr["vsend"])
 
     def _alloc_error_block(self) -> tuple[int, int]:
         """Mapped pinned host memory for the error block: (host address, device address)."""

@@ -26,8 +26,8 @@ same run, the baselines:
     ``layout.reference_verify_batch_vocab`` (predict, accept_index, accept_length bit
     for bit) on the inputs they are timed with: fresh random logits, the mix's
     parameters and candidates that accept 0 to N-1 drafts
-    (:mod:`ipc_dpsample.tools.verify_case`). A backend without the op (onesided and
-    nccl in this version) reports its verify points skipped, "not available", and
+    (:mod:`ipc_dpsample.tools.verify_case`). A backend without the op reports its
+    verify points skipped, "not available", and
     still measures the baselines; the torch backend's verify is not captured in CUDA
     graphs (its records are computed on the host). The raw baselines below move the
     verify's records (an all-gather of ``bs * N`` records per rank).

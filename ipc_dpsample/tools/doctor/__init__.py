@@ -29,8 +29,8 @@ The report (``--json`` prints it; :data:`SCHEMA` describes it) holds, in order:
 ``selftests``
     A short bit-exact run of every backend that can run here (the demo's rank
     body on tiny shapes), ``verify_batch_vocab`` included; a backend without that
-    op in this version (onesided, nccl) passes with the detail "verify_batch_vocab
-    not available on <backend> in this version".
+    op passes with the detail "verify_batch_vocab not available on <backend> in this
+    version".
 
 Exit code 0 when the verdict is ok, 1 otherwise.
 
