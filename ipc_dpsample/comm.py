@@ -476,6 +476,7 @@ class DpSamplingComm:
             vocab_limit=vocab_limit,
             bs=bs,
             return_logprobs=return_logprobs,
+            device_params=self._backend is not None and self._backend.device_verify_params,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

@@ -13,10 +13,10 @@ import numbers
 from typing import Any
 
 from .arrays import ArrayInfo, ArrayKind, describe, torch_fast_info
-from .backends.base import RealRows
+from .backends.base import DeviceVerifyParams, RealRows
 from .config import CommConfig
 from .errors import DpSampleError
-from .layout import VerifyParams, verify_params
+from .layout import MAX_VOCAB, VerifyParams, verify_params
 from .protocol import LOGITS_DTYPES
 
 __all__ = ["VERIFY_PARAM_DTYPES", "ArgChecker", "DtypeMismatchError"]
@@ -168,6 +168,11 @@ class ArgChecker:
         """A per-request parameter array ``[pad_bs]`` of ``dtype``, on the host or this
         device, C-contiguous, read into a NumPy array (zero-copy for host memory; a
         synchronous copy from a GPU)."""
+        return _to_host(x, self.param_info(x, name, dtype, pad_bs))
+
+    def param_info(self, x: Any, name: str, dtype: str, pad_bs: int) -> ArrayInfo:
+        """The structure checks of a per-request parameter array: ``[pad_bs]`` of
+        ``dtype``, on the host or this device, C-contiguous."""
         where = "the host" if self.device < 0 else f"the host or {self.where}"
         try:
             info = describe(x, name)
@@ -187,7 +192,7 @@ class ArgChecker:
             )
         if not info.contiguous:
             raise ValueError(f"{name} must be C-contiguous (call .contiguous() first)")
-        return _to_host(x, info)
+        return info
 
     def verify(
         self,
@@ -197,13 +202,19 @@ class ArgChecker:
         vocab_limit: Any,
         bs: Any,
         return_logprobs: Any,
+        device_params: bool = False,
         **arrays: Any,
-    ) -> tuple[ArrayInfo, VerifyParams, RealRows]:
+    ) -> tuple[ArrayInfo, VerifyParams | DeviceVerifyParams, RealRows]:
         """The arguments of ``verify_batch_vocab`` besides ``local_logits``: the
         structure checked here (array type, dtype, shape, device), the values by
         :func:`ipc_dpsample.layout.verify_params` (the one implementation of the range
         rules), every parameter read on the host. ``arrays``: the
-        :data:`VERIFY_PARAM_DTYPES` arguments (None: off / absent)."""
+        :data:`VERIFY_PARAM_DTYPES` arguments (None: off / absent).
+
+        With ``device_params`` (a backend that reads them when the op runs) and every
+        given parameter an array on this communicator's device, nothing is read: the
+        result is :class:`~ipc_dpsample.backends.base.DeviceVerifyParams` and a device
+        ``bs`` stays on the device (a CUDA graph can capture the call)."""
         cfg = self.config
         cand = self.arg(candidates, "candidates", (pad_bs, cfg.num_tokens_per_req), "int32")
         if vocab_limit is not None and (
@@ -212,6 +223,10 @@ class ArgChecker:
             raise TypeError(f"vocab_limit must be an int or None, got {vocab_limit!r}")
         if not isinstance(return_logprobs, bool):
             raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}")
+        if device_params and self.device >= 0:
+            dev = self._device_params(pad_bs, vocab_limit, arrays)
+            if dev is not None:
+                return cand, dev, self.bs(bs, pad_bs)
         rows = self.host_bs(bs, pad_bs)
         host: dict[str, Any] = {}
         for name, dtype in VERIFY_PARAM_DTYPES.items():
@@ -228,6 +243,40 @@ class ArgChecker:
             **host,
         )
         return cand, params, rows
+
+    def _device_params(
+        self, pad_bs: int, vocab_limit: Any, arrays: dict[str, Any]
+    ) -> DeviceVerifyParams | None:
+        """:class:`DeviceVerifyParams` when every given parameter is an array on this
+        device (structure checked), else None (they are then read on the host)."""
+        infos: dict[str, ArrayInfo | None] = {}
+        for name, dtype in VERIFY_PARAM_DTYPES.items():
+            value = arrays[name]
+            if value is None:
+                if name in _VERIFY_REQUIRED:
+                    raise TypeError(f"{name} is required: a {dtype} array [pad_bs={pad_bs}]")
+                infos[name] = None
+                continue
+            info = self.param_info(value, name, dtype, pad_bs)
+            if info.device < 0:
+                return None
+            infos[name] = info
+        v = self.config.vocab_size
+        limit = v if vocab_limit is None else int(vocab_limit)
+        if not 1 <= limit <= v:
+            raise ValueError(f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={v}")
+        if limit > MAX_VOCAB:
+            raise ValueError(
+                f"vocab_limit={limit} exceeds {MAX_VOCAB}, the largest vocabulary whose "
+                "fixed-point masses fit in 53 bits"
+            )
+        ptr = {name: 0 if info is None else info.ptr for name, info in infos.items()}
+        return DeviceVerifyParams(
+            pad_bs=pad_bs,
+            num_tokens_per_req=self.config.num_tokens_per_req,
+            vocab_limit=limit,
+            **ptr,
+        )
 
     def logprobs(self, x: Any, shape: tuple[int, int]) -> tuple[Any, ArrayInfo]:
         """``logprobs_local``: a strided float32 torch/CuPy/NumPy array of the right

@@ -441,15 +441,36 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
 // the stream: every CTA combines this rank's real requests from the region the push
 // filled (its parity from the epoch the push left) into int32 predict / accept_index /
 // accept_length and float32 logprobs of this rank's requests, which dp_gather_ll then
-// all-gathers. A record whose parameter digest or candidate differs from this rank's is
-// reported as DP_ERR_PARAMS (ranks passed different arguments).
+// all-gathers. The per-request parameters are read from the caller's device arrays when
+// the kernels run (CUDA-graph replays see new values). A record whose parameters or
+// candidate differ from this rank's is reported as DP_ERR_PARAMS (ranks passed
+// different arguments: the communicator breaks); a refused parameter value as
+// DP_ERR_VALUE (the protocol goes on; the host raises at the next call or check()).
 #define DP_ERR_PARAMS 3u
+#define DP_ERR_VALUE 4u
+#define DP_CTRL_VALUE 3  // claimed by the first DP_ERR_VALUE report
+
+__device__ void dp_report_value(const DpDesc& d, u32 req, u32 why, u32 bits, u32 sig) {
+  u32* ctrl = dp_ctrl(d);
+  if (atomicCAS(&ctrl[DP_CTRL_VALUE], 0u, 1u) != 0u) return;
+  if (dp_broken(d)) return;  // a protocol error owns the error block
+  volatile DpErrorBlock* e = (volatile DpErrorBlock*)d.err;
+  e->rank = d.rank;
+  e->peer = req;
+  e->op = sig >> DP_SIG_OP_SHIFT;
+  e->expected = why;
+  e->mine = sig;
+  e->seen = bits;
+  __threadfence_system();
+  e->code = DP_ERR_VALUE;
+  __threadfence_system();
+}
 
 template <typename Tag>
 __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
-                                                 u32 kcap, bool want_lp, u32 digest,
-                                                 u32 real_rows, u32 rpd, u32 ncols, u32 limit,
-                                                 const DvParams* prm, u64 region,
+                                                 const DvParamPtrs& q, u32 kcap, bool want_lp,
+                                                 u32 digest, u32 real_rows, u32 rpd, u32 ncols,
+                                                 u32 limit, u64 region, u32 sig,
                                                  DvRecordShared& sh) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
@@ -458,16 +479,20 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
   for (u32 g = blockIdx.x; g < real_rows; g += gridDim.x) {
     const u32 req = g / d.n, pos = g - req * d.n;
     const u32 dest = g / rpd, i = g - dest * rpd;
+    u32 bad, bits, dg = digest;
+    const DvParams p = dv_load_params(q, req, limit, &bad, &bits, &dg);
+    if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
     unsigned* rec = (unsigned*)(peers[dest] + region) + ((u64)d.rank * rpd + i) * rec_words;
-    dv_row_record<Tag>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0,
-                       prm[req], pos, kcap, want_lp, (unsigned)cand[g], digest, rec, sh);
+    dv_row_record<Tag>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0, p,
+                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, sh);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)
-    dp_verify_push(u64 src_ptr, u64 cand_ptr, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
-                   i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
-                   i64 dtype_code, u64 sig, u64 params_ptr, u64 region_off, i64 region_bytes) {
+    dp_verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
+                   u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
+                   u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
+                   i64 dtype_code, u64 sig, u64 region_off, i64 region_bytes) {
   __shared__ DvRecordShared sh;
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
@@ -478,17 +503,18 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
   const u32 active = dp_active_ctas(real_rows);  // see dp_swap_push
   if (s.broken || blockIdx.x >= active) return;
   const int* cand = (const int*)cand_ptr;
-  const DvParams* prm = (const DvParams*)params_ptr;
+  const DvParamPtrs q{temperature, top_k, top_p, min_p, seed, offset};
   const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
+  const bool lp = want_lp != 0;
   if (dtype_code == 1)
-    verify_push_rows<ArgmaxBf16>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc,
-                                 lim, prm, region, sh);
+    verify_push_rows<ArgmaxBf16>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim,
+                                 region, full_sig, sh);
   else if (dtype_code == 2)
-    verify_push_rows<ArgmaxF16>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc, lim,
-                                prm, region, sh);
+    verify_push_rows<ArgmaxF16>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+                                full_sig, sh);
   else
-    verify_push_rows<ArgmaxF32>(d, src_ptr, cand, kc, want_lp != 0, dg, real_rows, rpd, nc, lim,
-                                prm, region, sh);
+    verify_push_rows<ArgmaxF32>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+                                full_sig, sh);
 
   __shared__ u32 last;
   __syncthreads();
@@ -519,8 +545,9 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)
-    dp_verify_finish(u64 cand_ptr, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
-                     DpDesc d, i64 pad_bs, u64 sig, u64 params_ptr, u64 region_off,
+    dp_verify_finish(u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p, u64 min_p, u64 seed,
+                     u64 offset, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
+                     DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig, u64 region_off,
                      i64 region_bytes, u64 out_predict, u64 out_accept_index,
                      u64 out_accept_length, u64 out_logprobs) {
   __shared__ DvCombineShared sh;
@@ -532,19 +559,22 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
   const u32 R = (u32)(pad_bs / d.tp), n = d.n;
   const u32 mine = dp_real_reqs(s.bs, d.rank, R);
   const u32 rec_words = DV_HDR + 2 * (u32)kcap;
-  const DvParams* prm = (const DvParams*)params_ptr;
+  const DvParamPtrs q{temperature, top_k, top_p, min_p, seed, offset};
   const int* cand = (const int*)cand_ptr;
   for (u32 i = blockIdx.x; i < mine; i += gridDim.x) {
     const u32 req = d.rank * R + i;
-    const unsigned bad = dv_combine_request(
-        region, d.tp, R * n, rec_words, (u32)kcap, i, n, prm[req], cand + (u64)req * n,
-        (u32)digest, want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
+    u32 bad, bits, dg = (u32)digest;
+    const DvParams p = dv_load_params(q, req, (u32)vocab_limit, &bad, &bits, &dg);
+    const unsigned mismatch = dv_combine_request(
+        region, d.tp, R * n, rec_words, (u32)kcap, i, n, p, cand + (u64)req * n, dg,
+        want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
         (int*)out_accept_index + (u64)i * n, (int*)out_accept_length + i,
         (float*)out_logprobs + (u64)i * n, sh);
-    if (bad != DV_NO_ID) {  // uniform over the CTA
+    if (mismatch != DV_NO_ID) {  // uniform over the CTA
       if (threadIdx.x == 0) {
-        const unsigned* r = region + ((u64)bad * R * n + (u64)i * n) * rec_words;
-        dp_report(d, DP_ERR_PARAMS, bad, s.sig, e, ((u64)r[DV_W_CAND] << 32) | r[DV_W_DIGEST]);
+        const unsigned* r = region + ((u64)mismatch * R * n + (u64)i * n) * rec_words;
+        dp_report(d, DP_ERR_PARAMS, mismatch, s.sig, e,
+                  ((u64)r[DV_W_CAND] << 32) | r[DV_W_DIGEST]);
       }
       return;
     }

@@ -77,17 +77,32 @@
 typedef unsigned long long dv_u64;
 typedef long long dv_i64;
 
-// One request's sampling parameters (32 bytes; ipc_dpsample.backends.verify_kernels
-// packs them). top_k is normalised by the host: 0 = off, else 1..128.
+// One request's sampling parameters, normalised (dv_load_params): top_k 0 = off, else
+// 1..128; top_p 1 = off; min_p 0 = off.
 struct DvParams {
   float temperature;
   int top_k;
-  float top_p;   // 1 = off
-  float min_p;   // 0 = off
+  float top_p;
+  float min_p;
   dv_i64 seed;
   dv_i64 offset;
 };
-static_assert(sizeof(DvParams) == 32, "DvParams is packed by the host");
+
+// Where the per-request parameters are: device arrays [pad_bs] as the caller passed
+// them to verify_batch_vocab (float32 temperature, int32 top_k, float32 top_p and
+// min_p, int64 seed and offset), read when the kernel runs (so a CUDA-graph replay
+// sees the values written before it). 0 for top_k / top_p / min_p: off everywhere.
+struct DvParamPtrs {
+  dv_u64 temperature, top_k, top_p, min_p, seed, offset;
+};
+
+// Why a request's parameters are refused (the range rules of layout.verify_params, and
+// top-p / min-p without top-k, which these kernels cannot decide).
+#define DV_BAD_TEMPERATURE 1u
+#define DV_BAD_TOP_K 2u
+#define DV_BAD_TOP_P 3u
+#define DV_BAD_MIN_P 4u
+#define DV_BAD_NEEDS_TOP_K 5u
 
 // -- IEEE operations without contraction ---------------------------------------
 #ifdef DP_ARGMAX_CPU_EMULATION
@@ -294,6 +309,68 @@ __device__ __forceinline__ int dv_mode(const DvParams& p) {
   if (p.top_k >= 2) return DV_TOPK;
   if (p.top_p < 1.0f || p.min_p > 0.0f) return DV_OTHER;
   return DV_TEMP;
+}
+
+__device__ __forceinline__ unsigned dv_mix(unsigned h, unsigned w) {
+  h ^= w;
+  h *= 0x01000193u;
+  return h ^ (h >> 15);
+}
+
+// Request `req`'s parameters, normalised as layout.verify_params does. *bad: 0, or the
+// DV_BAD_* code of the first rule broken (*bad_bits: the offending value's bits).
+// *digest: in, the call's digest (host); out, mixed with the request's raw values, so
+// the owner of a row can tell that a peer passed other values for that request.
+__device__ __forceinline__ DvParams dv_load_params(const DvParamPtrs& q, unsigned req,
+                                                   unsigned vocab_limit, unsigned* bad,
+                                                   unsigned* bad_bits, unsigned* digest) {
+  DvParams p;
+  p.temperature = ((const float*)q.temperature)[req];
+  const int k = q.top_k ? ((const int*)q.top_k)[req] : 0;
+  p.top_p = q.top_p ? ((const float*)q.top_p)[req] : 1.0f;
+  p.min_p = q.min_p ? ((const float*)q.min_p)[req] : 0.0f;
+  p.seed = ((const dv_i64*)q.seed)[req];
+  p.offset = ((const dv_i64*)q.offset)[req];
+  unsigned h = *digest;
+  h = dv_mix(h, argmax_f2u(p.temperature));
+  h = dv_mix(h, (unsigned)k);
+  h = dv_mix(h, argmax_f2u(p.top_p));
+  h = dv_mix(h, argmax_f2u(p.min_p));
+  h = dv_mix(h, (unsigned)((dv_u64)p.seed & 0xFFFFFFFFull));
+  h = dv_mix(h, (unsigned)((dv_u64)p.seed >> 32));
+  h = dv_mix(h, (unsigned)((dv_u64)p.offset & 0xFFFFFFFFull));
+  h = dv_mix(h, (unsigned)((dv_u64)p.offset >> 32));
+  *digest = h;
+  const bool off = k == 0 || k >= (int)vocab_limit;
+  p.top_k = off ? 0 : k;
+  *bad = 0;
+  *bad_bits = 0;
+  if (!(argmax_isfinite(p.temperature) && p.temperature >= 0.0f)) {
+    *bad = DV_BAD_TEMPERATURE;
+    *bad_bits = argmax_f2u(p.temperature);
+  } else if (!off && !(k >= 1 && k <= DV_TOPK_MAX)) {
+    *bad = DV_BAD_TOP_K;
+    *bad_bits = (unsigned)k;
+  } else if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    *bad = DV_BAD_TOP_P;
+    *bad_bits = argmax_f2u(p.top_p);
+  } else if (!(p.min_p >= 0.0f && p.min_p < 1.0f)) {
+    *bad = DV_BAD_MIN_P;
+    *bad_bits = argmax_f2u(p.min_p);
+  }
+  if (*bad) {  // decide the row as greedy: an error is reported, no value is trusted
+    p.temperature = 0.0f;
+    p.top_k = 0;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+  } else if (p.temperature >= 1e-6f && p.top_k != 1 && p.top_k < 2 &&
+             (p.top_p < 1.0f || p.min_p > 0.0f)) {
+    *bad = DV_BAD_NEEDS_TOP_K;
+    *bad_bits = argmax_f2u(p.top_p < 1.0f ? p.top_p : p.min_p);
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+  }
+  return p;
 }
 
 // Key order as one unsigned: larger = earlier (value descending); -0 == +0; NaN last.

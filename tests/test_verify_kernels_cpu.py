@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 from ipc_dpsample.backends.verify_plan import (
+    call_digest,
     kernel_path_refusal,
     list_cap,
     pack_params,
-    params_digest,
+    param_offsets,
     record_words,
 )
 from ipc_dpsample.layout import TOP_K_DISABLED, reference_verify_batch_vocab, verify_params
@@ -83,22 +84,18 @@ static void launch(unsigned grid, unsigned block, const std::function<void()>& b
     });
   for (auto& th : threads) th.join();
 }
-extern "C" void emu_records(unsigned grid, unsigned block, u64 src, u64 cand, i64 kcap,
-                            i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host, u64 params,
-                            i64 rows, i64 ncols, i64 col0, i64 vocab_limit, i64 dtype_code,
-                            i64 n, u64 out_words) {
+extern "C" void emu_records(unsigned grid, unsigned block, const u64* v) {
   launch(grid, block, [=]() {
-    dp_verify_records(src, cand, kcap, want_lp, digest, bs_ptr, bs_host, params, rows, ncols,
-                      col0, vocab_limit, dtype_code, n, out_words);
+    dp_verify_records(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8], (i64)v[9],
+                      (i64)v[10], v[11], (i64)v[12], (i64)v[13], (i64)v[14], (i64)v[15],
+                      (i64)v[16], (i64)v[17], (i64)v[18], v[19], v[20]);
   });
 }
-extern "C" void emu_combine(unsigned grid, unsigned block, u64 cand, i64 kcap, i64 want_lp,
-                            i64 digest, u64 bs_ptr, i64 bs_host, u64 recs, u64 params, i64 tp,
-                            i64 reqs, i64 n, i64 req0, u64 predict, u64 accept_index,
-                            u64 accept_length, u64 logprobs, u64 err_word) {
+extern "C" void emu_combine(unsigned grid, unsigned block, const u64* v) {
   launch(grid, block, [=]() {
-    dp_verify_combine(cand, kcap, want_lp, digest, bs_ptr, bs_host, recs, params, tp, reqs, n,
-                      req0, predict, accept_index, accept_length, logprobs, err_word);
+    dp_verify_combine(v[0], v[1], v[2], v[3], v[4], v[5], v[6], (i64)v[7], (i64)v[8],
+                      (i64)v[9], v[10], (i64)v[11], v[12], (i64)v[13], (i64)v[14], (i64)v[15],
+                      (i64)v[16], (i64)v[17], v[18], v[19], v[20], v[21], v[22]);
   });
 }
 extern "C" void emu_noise(u64 key, const unsigned* ids, i64 count, float* out) {
@@ -143,8 +140,8 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
     lib = ctypes.CDLL(str(so))
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
-    lib.emu_records.argtypes = [c, c, u, u, i, i, i, u, i, u, i, i, i, i, i, i, u]
-    lib.emu_combine.argtypes = [c, c, u, i, i, i, u, i, u, u, i, i, i, i, u, u, u, u, u]
+    lib.emu_records.argtypes = [c, c, u]
+    lib.emu_combine.argtypes = [c, c, u]
     lib.emu_noise.argtypes = [u, u, i, u]
     lib.emu_stream_key.argtypes = [i, i, c, u]
     lib.emu_mass.argtypes = [u, i, u, u]
@@ -179,54 +176,66 @@ def run_kernels(
     want_lp: bool = True,
     block: int = 32,
     grid: int = 3,
+    raw_params: bool = False,
     digests: list[int] | None = None,
-) -> tuple[tuple[np.ndarray, ...], list[int]]:
+    prms: list[dict[str, Any]] | None = None,
+) -> tuple[tuple[np.ndarray, ...], list[int], list[int]]:
     """Records on every rank, the all-to-all, the combine on every owner; returns
-    (predict, accept_index, accept_length, logprobs) of the whole batch and every owner's
-    error word."""
+    (predict, accept_index, accept_length, logprobs) of the whole batch, every owner's
+    combine error word and every rank's refused-value word.
+
+    ``raw_params``: the kernels read the caller's arrays as given (what a call with
+    device parameters does: no host validation, list capacity 128 with top-k); else the
+    host-normalised copy (:func:`pack_params`). ``digests`` / ``prms``: a call digest /
+    parameters per rank (ranks that disagree)."""
     tp = len(shards)
     pad_bs, n = cand.shape
     rows, vs = shards[0].shape
-    params = verify_params(
-        pad_bs=pad_bs,
-        num_tokens_per_req=n,
-        vocab_size=vs * tp,
-        vocab_limit=vocab_limit,
-        bs=bs,
-        **prm,
-    )
-    assert kernel_path_refusal(params, tp) is None
-    packed = pack_params(params)
-    cap = list_cap(params)
+    limit = vs * tp if vocab_limit is None else vocab_limit
+    real = pad_bs if bs is None else bs
+    keep: list[Any] = []
+
+    def pointers(p: dict[str, Any]) -> list[int]:
+        if raw_params:
+            arrays = [
+                None if p[name] is None else np.ascontiguousarray(p[name]) for name in _FIELDS
+            ]
+            keep.append(arrays)
+            return [0 if a is None else _addr(a) for a in arrays]
+        params = verify_params(
+            pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=vs * tp, vocab_limit=vocab_limit,
+            bs=bs, **p,
+        )  # fmt: skip
+        assert kernel_path_refusal(params, tp) is None
+        packed = pack_params(params)
+        keep.append(packed)
+        return [_addr(packed) + off for off in param_offsets(pad_bs)]
+
+    if raw_params:
+        cap = 128 if prm["top_k"] is not None else 0
+    else:
+        cap = list_cap(
+            verify_params(
+                pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=vs * tp,
+                vocab_limit=vocab_limit, bs=bs, **prm,
+            )
+        )  # fmt: skip
+    ptrs = [pointers(prm if prms is None else prms[s]) for s in range(tp)]
     words = record_words(cap)
-    digest = params_digest(params, packed, cap, want_lp)
-    bs_word = np.array([params.bs], np.int32)
-    bs_ptr, bs_host = (_addr(bs_word), -5) if bs_on_device else (0, params.bs)
+    digest = call_digest(limit, cap, want_lp, n)
+    bs_word = np.array([real], np.int32)
+    bs_ptr, bs_host = (_addr(bs_word), -5) if bs_on_device else (0, real)
     code = int(Dtype[dtype.upper()])
-    records = []
+    records, values = [], []
     for s in range(tp):
         out = np.full((rows, words), POISON, np.uint32)
+        ev = np.zeros(1, np.uint32)
         dg = digest if digests is None else digests[s]
-        lib.emu_records(
-            grid,
-            block,
-            _addr(shards[s]),
-            _addr(cand),
-            cap,
-            int(want_lp),
-            dg,
-            bs_ptr,
-            bs_host,
-            _addr(packed),
-            rows,
-            vs,
-            s * vs,
-            params.vocab_limit,
-            code,
-            n,
-            _addr(out),
-        )
+        args = [_addr(shards[s]), _addr(cand), *ptrs[s], cap, int(want_lp), dg, bs_ptr, bs_host]
+        args += [rows, vs, s * vs, limit, code, n, _addr(out), _addr(ev)]
+        lib.emu_records(grid, block, _addr(_words(args)))
         records.append(out)
+        values.append(int(ev[0]))
     r = pad_bs // tp
     predict = np.full((pad_bs, n), POISON, np.int32)
     accept_index = np.full((pad_bs, n), POISON, np.int32)
@@ -238,26 +247,20 @@ def run_kernels(
         outs = [predict[o * r :], accept_index[o * r :], accept_length[o * r :], logprobs[o * r :]]
         err = np.zeros(1, np.uint32)
         dg = digest if digests is None else digests[o]
-        lib.emu_combine(
-            grid,
-            block,
-            _addr(cand),
-            cap,
-            int(want_lp),
-            dg,
-            bs_ptr,
-            bs_host,
-            _addr(recs),
-            _addr(packed),
-            tp,
-            r,
-            n,
-            o * r,
-            *(_addr(a) for a in outs),
-            _addr(err),
-        )
+        args = [_addr(cand), *ptrs[o], cap, int(want_lp), dg, bs_ptr, bs_host, _addr(recs)]
+        args += [tp, r, n, o * r, limit, *(_addr(a) for a in outs), _addr(err)]
+        lib.emu_combine(grid, block, _addr(_words(args)))
         errors.append(int(err[0]))
-    return (predict, accept_index, accept_length, logprobs), errors
+    return (predict, accept_index, accept_length, logprobs), errors, values
+
+
+def _words(args: list[int]) -> np.ndarray:
+    """Kernel arguments as the 64-bit words of a parameter block (negatives two's
+    complement)."""
+    return np.array([a & 0xFFFFFFFFFFFFFFFF for a in args], np.uint64)
+
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "offset")
 
 
 def _params(g: np.random.Generator, pad_bs: int, mode: str) -> dict[str, Any]:
@@ -340,6 +343,7 @@ def _case(
     scale: float = 2.0,
     specials: bool = False,
     block: int = 32,
+    raw_params: bool = False,
 ) -> None:
     g = np.random.default_rng([seed, tp, vs, n, pad_bs])
     v = vs * tp
@@ -354,7 +358,7 @@ def _case(
         keep = int(g.integers(0, n))
         cand[req, 1 : keep + 1] = first[0][req, :keep]
     want = reference_verify_batch_vocab(shards, cand, **kw, **prm, return_logprobs=want_lp)
-    got, errors = run_kernels(
+    got, errors, values = run_kernels(
         lib,
         shards,
         cand,
@@ -365,8 +369,9 @@ def _case(
         bs_on_device=bs_on_device,
         want_lp=want_lp,
         block=block,
+        raw_params=raw_params,
     )
-    assert errors == [0] * tp
+    assert errors == [0] * tp and values == [0] * tp
     real = pad_bs if bs is None else bs
     _check(got if want_lp else got[:3], want, real, f"{mode} {dtype} tp={tp} vs={vs} n={n}")
     # requests >= bs are not written
@@ -510,10 +515,69 @@ def test_top_p_boundary_is_exclusive(lib: Any) -> None:
         "min_p": None,
     }
     cand = np.zeros((pad_bs, n), np.int32)
-    got, _ = run_kernels(lib, shards, cand, prm, dtype="float32")
+    got, _, _ = run_kernels(lib, shards, cand, prm, dtype="float32")
     assert (got[0][:, 0] == 7).all()
     want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
     assert np.array_equal(got[0], want[0])
+
+
+def test_raw_device_parameters_are_normalised_by_the_kernels(lib: Any) -> None:
+    # what a call with device parameters runs: the caller's arrays as given (top-k 0,
+    # 1 << 30 and >= vocab_limit off; phantom requests holding garbage), list capacity 128
+    for mode, dtype in (("mixed", "float32"), ("top_k_min_p", "bfloat16"), ("greedy", "float16")):
+        _case(lib, 22, tp=3, vs=90, n=2, pad_bs=6, dtype=dtype, mode=mode, specials=True,
+              raw_params=True, bs=5, vocab_limit=260)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "code"),
+    [
+        ("temperature", -1.0, 1),
+        ("temperature", np.nan, 1),
+        ("top_k", 129, 2),
+        ("top_k", -3, 2),
+        ("top_p", 0.0, 3),
+        ("top_p", 1.5, 3),
+        ("min_p", 1.0, 4),
+        ("top_p", 0.9, 5),  # top-p without top-k on a sampled request
+    ],
+)
+def test_refused_device_values_are_reported(lib: Any, field: str, value: Any, code: int) -> None:
+    g = np.random.default_rng(23)
+    tp, vs, n, pad_bs = 2, 100, 2, 4  # V = 200 > every top-k of the mode
+    full = _logits(g, pad_bs * n, vs * tp, 2.0, False)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = _params(g, pad_bs, "top_k_top_p")
+    prm["temperature"] = np.ones(pad_bs, np.float32)
+    prm["min_p"] = np.zeros(pad_bs, np.float32)
+    if code == 5:
+        prm["top_k"] = np.array([0, 0, 0, 5], np.int32)
+        prm["top_p"] = np.ones(pad_bs, np.float32)
+    dt = {"top_k": np.int32}.get(field, np.float32)
+    prm[field] = np.array(prm[field], dt)
+    prm[field][2] = value
+    # a refused value in a phantom request (bs=3 leaves request 3 out) is never read
+    prm["temperature"][3] = -5.0
+    cand = np.zeros((pad_bs, n), np.int32)
+    _, errors, values = run_kernels(lib, shards, cand, prm, dtype="float32", raw_params=True, bs=3)
+    assert values == [(code << 24) | 2] * tp
+    assert errors == [0] * tp
+
+
+def test_combine_reports_a_rank_with_other_request_parameters(lib: Any) -> None:
+    g = np.random.default_rng(24)
+    tp, vs, n, pad_bs = 2, 100, 2, 4
+    full = _logits(g, pad_bs * n, vs * tp, 2.0, False)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = _params(g, pad_bs, "top_k_top_p")
+    other = {k: None if a is None else a.copy() for k, a in prm.items()}
+    other["seed"][3] += 1  # rank 1 disagrees on request 3, which rank 1 owns
+    cand = np.zeros((pad_bs, n), np.int32)
+    for raw in (False, True):
+        _, errors, _ = run_kernels(
+            lib, shards, cand, prm, dtype="float32", raw_params=raw, prms=[prm, other]
+        )
+        assert errors == [0, 1], raw  # owner 1 sees source 0's other seed
 
 
 def test_combine_reports_a_rank_with_other_parameters(lib: Any) -> None:
@@ -523,7 +587,7 @@ def test_combine_reports_a_rank_with_other_parameters(lib: Any) -> None:
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
     prm = _params(g, pad_bs, "temperature")
     cand = np.zeros((pad_bs, n), np.int32)
-    _, errors = run_kernels(lib, shards, cand, prm, dtype="float32", digests=[7, 7, 9])
+    _, errors, _ = run_kernels(lib, shards, cand, prm, dtype="float32", digests=[7, 7, 9])
     # owners 0 and 1 see rank 2's digest 9 (source 2 -> 3); owner 2 sees source 0
     assert errors == [3, 3, 1]
 

@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from ipc_dpsample.testing import run_ranks, run_threads
 _REASON = gpu_skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 POISON32 = -1
+_CAPTURE_LOCK = threading.Lock()
 
 
 def _settle(comm: Any, what: str) -> None:
@@ -259,3 +261,146 @@ def test_ranks_passing_different_arguments_raise(what: str) -> None:
     for text in out:
         assert "different arguments" in text or "did not take part" in text, out
     assert any("different arguments" in t for t in out), out
+
+
+def _graph_body(rank: int, tp: int, group: Any, replays: int) -> list[Any]:
+    """verify_batch_vocab captured once with device parameters, candidates and a device
+    ``bs``; every replay writes new logits, candidates, parameters of a new mix and a new
+    ``bs`` into the captured tensors and checks the whole batch against the reference."""
+    import random
+
+    import torch
+
+    torch.cuda.set_device(0)
+    n, vs, pad_bs, dtype = 3, 200, 2 * tp, "bfloat16"
+    v = vs * tp
+    limit = v - 9
+    rng = random.Random(7)
+    modes = ("greedy", "temperature", "top_k", "top_k_top_p", "mixed_top_k")
+    failures: list[Any] = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        comm = onesided_comm(
+            group, rank, tp, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=v,
+            logits_dtype=dtype,
+        )  # fmt: skip
+
+        def inputs(i: int) -> tuple[Any, ...]:
+            mode = modes[i % len(modes)]
+            prm = params((61, i), pad_bs, "mixed" if mode == "mixed_top_k" else mode)
+            if mode == "mixed_top_k":  # top-p / min-p only where top-k is on
+                on = (prm["top_k"] >= 2) & (prm["top_k"] <= 128)
+                prm["top_p"] = np.where(on, prm["top_p"], 1).astype(np.float32)
+                prm["min_p"] = np.where(on, prm["min_p"], 0).astype(np.float32)
+            full = encode(logits((62, i), pad_bs * n, v, scale=2.0, specials=i % 3 == 0), dtype)
+            shards = [full[:, s * vs : (s + 1) * vs].contiguous() for s in range(tp)]
+            bs = pad_bs if i == 0 else rng.randint(0, pad_bs)
+            kw = dict(tp=tp, pad_bs=pad_bs, dtype=dtype, vocab_limit=limit, bs=bs)
+            inp = [storage(sh) for sh in shards]
+            first = reference_verify_batch_vocab(inp, np.zeros((pad_bs, n), np.int32), **kw, **prm)
+            cand = accepting_candidates((63, i), first[0], v)
+            want = reference_verify_batch_vocab(inp, cand, **kw, **prm, return_logprobs=True)
+            full_prm = {  # every array present, so the captured pointers always exist
+                "temperature": prm["temperature"],
+                "top_k": np.zeros(pad_bs, np.int32) if prm["top_k"] is None else prm["top_k"],
+                "top_p": np.ones(pad_bs, np.float32) if prm["top_p"] is None else prm["top_p"],
+                "min_p": np.zeros(pad_bs, np.float32) if prm["min_p"] is None else prm["min_p"],
+                "seed": prm["seed"],
+                "offset": prm["offset"],
+            }
+            return shards[rank], cand, full_prm, bs, want
+
+        static_x = torch.empty((pad_bs * n, vs), dtype=torch.bfloat16, device="cuda")
+        static_c = torch.empty((pad_bs, n), dtype=torch.int32, device="cuda")
+        x0, c0, p0, _, _ = inputs(0)
+        static_p = {k: torch.from_numpy(a).cuda() for k, a in p0.items()}
+        bs_dev = torch.full((1,), pad_bs, dtype=torch.int32, device="cuda")
+        static_x.copy_(x0)
+        static_c.copy_(torch.from_numpy(c0))
+
+        def call() -> tuple[Any, ...]:
+            return comm.verify_batch_vocab(
+                static_x, static_c, pad_bs=pad_bs, vocab_limit=limit, bs=bs_dev,
+                return_logprobs=True, **static_p,
+            )  # fmt: skip
+
+        _settle(comm, "warm-up inputs")
+        call()  # eager warm-up: loads the kernels
+        _settle(comm, "warm-up done")
+        comm.check()
+        graph = torch.cuda.CUDAGraph()
+        with (
+            _CAPTURE_LOCK,
+            torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
+        ):
+            outs = call()
+        _settle(comm, "captured")
+        for i in range(1, replays + 1):
+            x, c, p, bs, want = inputs(i)
+            static_x.copy_(x)
+            static_c.copy_(torch.from_numpy(c))
+            for k, a in p.items():
+                static_p[k].copy_(torch.from_numpy(a))
+            bs_dev.fill_(bs)
+            _settle(comm, f"inputs of replay {i}")
+            graph.replay()
+            comm._group.barrier(timeout_s=60, what=f"replay {i} issued")
+            _settle(comm, f"replay {i} done")
+            comm.check()
+            for name, got, w in zip(
+                ("predict", "accept_index", "accept_length"), outs[:3], want[:3], strict=True
+            ):
+                if not np.array_equal(got.cpu().numpy()[:bs], w[:bs]):
+                    failures.append((i, bs, name))
+            assert_logprobs(f"replay {i}", outs[3].cpu().numpy()[:bs], want[3][:bs])
+        comm._group.barrier(timeout_s=60, what="before close")
+        comm.close()
+    return failures
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_graph_replayed_50_times_with_new_device_parameters(tp: int) -> None:
+    out = run_threads(tp, _graph_body, 50, timeout_s=600)
+    assert out == [[]] * tp, out
+
+
+def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
+    """A refused value in a device parameter array raises at the next check()."""
+    import torch
+
+    torch.cuda.set_device(0)
+    pad_bs, n, v = 2 * tp, 2, 200 * tp
+    with torch.cuda.stream(torch.cuda.Stream()):
+        with onesided_comm(
+            group, rank, tp, max_pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=v,
+            logits_dtype="float32",
+        ) as comm:  # fmt: skip
+            g = np.random.default_rng(4)
+            x = torch.from_numpy(g.normal(0, 2, (pad_bs * n, v // tp)).astype(np.float32)).cuda()
+            kw = {
+                "temperature": torch.full((pad_bs,), 0.8, device="cuda"),
+                "top_k": torch.full((pad_bs,), 40, dtype=torch.int32, device="cuda"),
+                "top_p": torch.full((pad_bs,), 0.9, device="cuda"),
+                "seed": torch.arange(pad_bs, device="cuda"),
+                "offset": torch.zeros(pad_bs, dtype=torch.int64, device="cuda"),
+            }
+            if field == "top_k":
+                kw["top_k"][1] = 500
+            else:
+                kw["top_k"][1] = 0  # top-p without top-k
+            cand = torch.zeros((pad_bs, n), dtype=torch.int32, device="cuda")
+            _settle(comm, "inputs")
+            comm.verify_batch_vocab(x, cand, pad_bs=pad_bs, **kw)
+            _settle(comm, "done")
+            try:
+                comm.check()
+            except DpSampleError as exc:
+                return str(exc)
+            return "no error"
+
+
+@pytest.mark.parametrize("field", ["top_k", "needs_top_k"])
+def test_refused_device_values_raise_on_every_rank(field: str) -> None:
+    out = run_threads(2, _value_body, field, timeout_s=120)
+    for text in out:
+        assert "top_k[1]=500" in text if field == "top_k" else "top_p / min_p[1]=0.9" in text

@@ -16,7 +16,7 @@ from ..config import BackendName
 from ..errors import BackendUnavailableError
 from ..layout import VerifyParams
 
-__all__ = ["Backend", "RealRows", "verify_unavailable"]
+__all__ = ["Backend", "DeviceVerifyParams", "RealRows", "verify_unavailable"]
 
 
 class RealRows(NamedTuple):
@@ -50,10 +50,43 @@ class RealRows(NamedTuple):
         return self.ptr != 0
 
 
+class DeviceVerifyParams(NamedTuple):
+    """``verify_batch_vocab``'s per-request parameters left on the device (a backend that
+    reads them when the op runs: the one-sided kernels). Their structure (dtype, shape
+    ``[pad_bs]``, device, contiguity) is checked; their values are checked by the
+    kernels, which report a refused value at the next call or ``check()``.
+
+    Attributes
+    ----------
+    pad_bs, num_tokens_per_req, vocab_limit : int
+    temperature, top_k, top_p, min_p, seed, offset : int
+        Device addresses of the caller's arrays (float32, int32, float32, float32,
+        int64, int64 ``[pad_bs]``); 0 for an absent ``top_k`` / ``top_p`` / ``min_p``
+        (off for every request).
+    """
+
+    pad_bs: int
+    num_tokens_per_req: int
+    vocab_limit: int
+    temperature: int
+    top_k: int
+    top_p: int
+    min_p: int
+    seed: int
+    offset: int
+
+    @property
+    def pointers(self) -> tuple[int, int, int, int, int, int]:
+        """The six addresses in kernel-argument order."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.offset)
+
+
 class Backend(ABC):
     """One communicator's data mover."""
 
     name: ClassVar[BackendName]
+    #: True when :meth:`verify_batch_vocab` takes :class:`DeviceVerifyParams`.
+    device_verify_params: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, logits_dtype: str) -> None:
@@ -110,7 +143,7 @@ class Backend(ABC):
         candidates_info: ArrayInfo,
         *,
         pad_bs: int,
-        params: VerifyParams,
+        params: VerifyParams | DeviceVerifyParams,
         return_logprobs: bool,
         bs: RealRows,
         stream: Any,
@@ -121,7 +154,10 @@ class Backend(ABC):
         the whole batch, as :func:`ipc_dpsample.layout.reference_verify_batch_vocab`.
 
         ``params`` are validated and on the host (:func:`ipc_dpsample.layout.
-        verify_params`; ``params.bs`` real requests, also in ``bs``, a host value).
+        verify_params`; ``params.bs`` real requests, also in ``bs``, a host value), or,
+        for a backend with ``device_verify_params`` set, :class:`DeviceVerifyParams`
+        when the caller passed every parameter on the device (``bs`` may then be a
+        device scalar).
         A backend without this op raises :class:`BackendUnavailableError` (this
         default)."""
         raise verify_unavailable(

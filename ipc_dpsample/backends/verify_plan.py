@@ -20,11 +20,13 @@ __all__ = [
     "DV_HDR",
     "DV_MAX_N",
     "DV_MERGE_MAX",
-    "PARAMS_DTYPE",
+    "PARAM_FIELDS",
+    "call_digest",
+    "device_list_cap",
     "kernel_path_refusal",
     "list_cap",
     "pack_params",
-    "params_digest",
+    "param_offsets",
     "record_words",
 ]
 
@@ -35,18 +37,15 @@ DV_MERGE_MAX = 8 * TOP_K_MAX
 #: Rows per request the combine holds (``N``).
 DV_MAX_N = 64
 
-#: ``struct DvParams``: one request's parameters as the kernels read them.
-PARAMS_DTYPE = np.dtype(
-    [
-        ("temperature", "<f4"),
-        ("top_k", "<i4"),
-        ("top_p", "<f4"),
-        ("min_p", "<f4"),
-        ("seed", "<i8"),
-        ("offset", "<i8"),
-    ]
+#: The per-request arrays the kernels read (``struct DvParamPtrs``), in argument order.
+PARAM_FIELDS = (
+    ("temperature", np.dtype("<f4")),
+    ("top_k", np.dtype("<i4")),
+    ("top_p", np.dtype("<f4")),
+    ("min_p", np.dtype("<f4")),
+    ("seed", np.dtype("<i8")),
+    ("offset", np.dtype("<i8")),
 )
-assert PARAMS_DTYPE.itemsize == 32
 
 
 def _modes(params: VerifyParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,6 +61,12 @@ def list_cap(params: VerifyParams) -> int:
     """The call's list capacity: the largest top-k of a sampled top-k request (0: none)."""
     _, top_k, _ = _modes(params)
     return int(params.top_k[: params.bs][top_k].max()) if top_k.any() else 0
+
+
+def device_list_cap(top_k_given: bool) -> int:
+    """The list capacity of a call whose parameters stay on the device: any request may
+    have any top-k (128 when ``top_k`` is given, else 0)."""
+    return TOP_K_MAX if top_k_given else 0
 
 
 def record_words(cap: int) -> int:
@@ -86,26 +91,31 @@ def kernel_path_refusal(params: VerifyParams, tp: int) -> str | None:
     return None
 
 
+def param_offsets(pad_bs: int) -> tuple[int, ...]:
+    """Byte offsets of the six arrays in :func:`pack_params`' buffer (8-byte aligned)."""
+    offs, at = [], 0
+    for _, dt in PARAM_FIELDS:
+        offs.append(at)
+        at += -(-pad_bs * dt.itemsize // 8) * 8
+    return tuple(offs)
+
+
 def pack_params(params: VerifyParams) -> np.ndarray:
-    """``DvParams [pad_bs]`` of the normalised parameters (phantom requests neutral)."""
-    out = np.zeros(params.pad_bs, PARAMS_DTYPE)
-    out["temperature"] = params.temperature
-    out["top_k"] = params.top_k
-    out["top_p"] = params.top_p
-    out["min_p"] = params.min_p
-    out["seed"] = params.seed
-    out["offset"] = params.offset
+    """The normalised parameters as one uint8 buffer: the six ``[pad_bs]`` arrays of
+    :data:`PARAM_FIELDS` at :func:`param_offsets` (phantom requests neutral)."""
+    pad = params.pad_bs
+    offs = param_offsets(pad)
+    last = PARAM_FIELDS[-1][1]
+    out = np.zeros(offs[-1] + pad * last.itemsize, np.uint8)
+    for (name, dt), off in zip(PARAM_FIELDS, offs, strict=True):
+        out[off : off + pad * dt.itemsize] = np.asarray(getattr(params, name), dt).view(np.uint8)
     return out
 
 
-def params_digest(params: VerifyParams, packed: np.ndarray, cap: int, return_logprobs: bool) -> int:
-    """A 31-bit digest of what every rank must pass alike: the real requests' packed
-    parameters, ``vocab_limit``, ``bs``, the list capacity and ``return_logprobs``. Every
-    record carries it and the owner compares (ranks that disagree raise)."""
-    head = np.array(
-        [params.vocab_limit, params.bs, cap, int(return_logprobs), params.num_tokens_per_req],
-        np.int64,
-    )
-    crc = zlib.crc32(head.tobytes())
-    crc = zlib.crc32(packed[: params.bs].tobytes(), crc)
-    return crc & 0x7FFFFFFF
+def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int) -> int:
+    """A 31-bit digest of the call-wide arguments every rank must pass alike
+    (``vocab_limit``, the list capacity, ``return_logprobs``, ``N``). The kernels mix
+    in each request's normalised parameters, every record carries the result and the
+    row's owner compares: ranks that disagree raise."""
+    head = np.array([vocab_limit, cap, int(return_logprobs), n], np.int64)
+    return zlib.crc32(head.tobytes()) & 0x7FFFFFFF

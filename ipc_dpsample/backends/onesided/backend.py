@@ -40,20 +40,23 @@ from ...group import HostGroup
 from ...kernel_cache import get_kernel
 from ...layout import VerifyParams
 from ...protocol import Call, Dtype, Op, divergence_message
-from ..base import Backend, RealRows
+from ..base import Backend, DeviceVerifyParams, RealRows
 from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
 from ..verify_plan import (
-    PARAMS_DTYPE,
+    DV_MERGE_MAX,
+    call_digest,
+    device_list_cap,
     kernel_path_refusal,
     list_cap,
     pack_params,
-    params_digest,
+    param_offsets,
 )
 from ..verify_swap import verify_by_swap
 from .arena import SOURCE, Connection, teardown
 from .contract import (
     ERR_PARAMS,
     ERR_TIMEOUT,
+    ERR_VALUE,
     DpErrorBlock,
     pack_signature,
     unpack_signature,
@@ -73,6 +76,19 @@ _KERNELS = (
     "dp_verify_finish",
 )
 VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh
+#: DP_ERR_VALUE reasons (verify.cuh DV_BAD_*): (argument, expected, int or float bits)
+VALUE_ERRORS = {
+    1: ("temperature", "a finite value >= 0 (0 = greedy)", "f"),
+    2: ("top_k", "1..128, or 0 / >= vocab_limit (incl. 1 << 30) for off", "i"),
+    3: ("top_p", "0 < top_p <= 1 (1 = off)", "f"),
+    4: ("min_p", "0 <= min_p < 1 (0 = off)", "f"),
+    5: (
+        "top_p / min_p",
+        "top-k on for that request (the kernels decide top-p and min-p only within "
+        "top-k; without top-k pass the parameters as host arrays, which moves the logits)",
+        "f",
+    ),
+}
 ARGMAX_BLOCK = 256  # DP_ARGMAX_BLOCK in onesided.cu
 #: argmax CTAs per SM: one CTA reduces one row at a time, and several ranks' CTAs
 #: share the SMs when ranks share a GPU
@@ -131,6 +147,7 @@ class OnesidedBackend(Backend):
     """One-sided CUDA IPC backend on a verified :class:`Connection`."""
 
     name = "onesided"
+    device_verify_params = True
 
     def __init__(
         self,
@@ -411,9 +428,10 @@ class OnesidedBackend(Backend):
 
     # -- verify -------------------------------------------------------------------
     def _verify_buffers(self) -> Any:
-        """Device ``DvParams [max_pad_bs]`` and this rank's results (int32 predict and
-        accept_index ``[R_max, N]``, accept_length ``[R_max]``, float32 logprobs
-        ``[R_max, N]``), which the gathers read. Allocated on first use."""
+        """This rank's results (int32 predict and accept_index ``[R_max, N]``,
+        accept_length ``[R_max]``, float32 logprobs ``[R_max, N]``), which the gathers
+        read, and the device copy of host parameters (:func:`~ipc_dpsample.backends.
+        verify_plan.pack_params`). Allocated on first use."""
         if self._verify_bufs is None:
             import cupy
 
@@ -421,11 +439,11 @@ class OnesidedBackend(Backend):
             r, n = cfg.max_pad_bs // cfg.tp_size, cfg.num_tokens_per_req
             with cupy.cuda.Device(self.device):
                 self._verify_bufs = (
-                    cupy.zeros(cfg.max_pad_bs * PARAMS_DTYPE.itemsize, cupy.uint8),
                     cupy.zeros((r, n), cupy.int32),
                     cupy.zeros((r, n), cupy.int32),
                     cupy.zeros(r, cupy.int32),
                     cupy.zeros((r, n), cupy.float32),
+                    cupy.zeros(param_offsets(cfg.max_pad_bs)[-1] + 8 * cfg.max_pad_bs, cupy.uint8),
                 )
         return self._verify_bufs
 
@@ -436,7 +454,7 @@ class OnesidedBackend(Backend):
         cfg, lay, desc = self.cfg, self.layout, self._desc
         dtype = self._logits_dtype
         assert dtype is not None
-        prm, pred, aidx, alen, lp = self._verify_buffers()
+        outs = tuple(int(a.data.ptr) for a in self._verify_buffers()[:4])
         sig = self._sig(Op.VERIFY, dtype, pad_bs)
         vs = cfg.vocab_size // cfg.tp_size
         region = (lay.verify_off, lay.verify_region_bytes)
@@ -445,21 +463,28 @@ class OnesidedBackend(Backend):
             "dp_verify_push",
             max(1, min(rows, self._max_argmax_grid)),
             VERIFY_BLOCK,
-            (0,) * 7
-            + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, int(prm.data.ptr))
-            + region,
-            7,
+            (0,) * 13 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
+            13,
         )
-        outs = (int(a.data.ptr) for a in (pred, aidx, alen, lp))
         finish = self._launch(
             "dp_verify_finish",
             max(1, pad_bs // cfg.tp_size),
             VERIFY_BLOCK,
-            (0,) * 6 + (desc, pad_bs, sig, int(prm.data.ptr), *region, *outs),
-            6,
+            (0,) * 12 + (desc, pad_bs, vocab_limit, sig, *region, *outs),
+            12,
         )
         plan = self._verify_plans[(pad_bs, vocab_limit)] = (push, finish)
         return plan
+
+    def _host_param_pointers(self, params: VerifyParams, handle: int) -> tuple[int, ...]:
+        """Copy the normalised host parameters to the device (in stream order) and
+        return the six array addresses the kernels read."""
+        buf = self._verify_buffers()[4]
+        packed = pack_params(params)
+        # a pageable source: the call returns once the bytes are staged
+        self._runtime.memcpyAsync(int(buf.data.ptr), packed.ctypes.data, packed.nbytes, 1, handle)
+        base = int(buf.data.ptr)
+        return tuple(base + off for off in param_offsets(params.pad_bs))
 
     def verify_batch_vocab(
         self,
@@ -469,54 +494,70 @@ class OnesidedBackend(Backend):
         candidates_info: ArrayInfo,
         *,
         pad_bs: int,
-        params: VerifyParams,
+        params: VerifyParams | DeviceVerifyParams,
         return_logprobs: bool,
         bs: RealRows,
         stream: Any,
     ) -> tuple[Any, ...]:
         """Two launches (``dp_verify_push``: records into the owners' arenas, one
         signal round; ``dp_verify_finish``: the owners' combine and accept chain), then
-        ``dp_gather_ll`` of the results (and of the logprobs). A batch the kernels
-        cannot decide (top-p or min-p without top-k) takes
-        :func:`~ipc_dpsample.backends.verify_swap.verify_by_swap` instead."""
-        cfg = self.cfg
-        refusal = kernel_path_refusal(params, cfg.tp_size)
-        if refusal is not None:
-            self.last_verify_path = f"swap: {refusal}"
-            return verify_by_swap(
-                self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
-                return_logprobs=return_logprobs, bs=bs, stream=stream, tp=cfg.tp_size,
-                rank=cfg.rank, device=self.device,
-            )  # fmt: skip
-        import numpy as np
+        ``dp_gather_ll`` of the results (and of the logprobs).
 
+        Host parameters (:class:`~ipc_dpsample.layout.VerifyParams`) are copied to the
+        device; a batch the kernels cannot decide (top-p or min-p without top-k) takes
+        :func:`~ipc_dpsample.backends.verify_swap.verify_by_swap` instead. Device
+        parameters (:class:`~ipc_dpsample.backends.base.DeviceVerifyParams`) are read
+        by the kernels when they run: nothing is read on the host, so a CUDA graph can
+        capture the call; a refused value (out of range, or top-p / min-p without
+        top-k) is reported by the kernels and raised at the next call or ``check()``."""
+        cfg = self.cfg
+        tp = cfg.tp_size
+        if isinstance(params, VerifyParams):
+            refusal = kernel_path_refusal(params, tp)
+            if refusal is not None:
+                self.last_verify_path = f"swap: {refusal}"
+                return verify_by_swap(
+                    self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
+                    return_logprobs=return_logprobs, bs=bs, stream=stream, tp=tp,
+                    rank=cfg.rank, device=self.device,
+                )  # fmt: skip
+            cap = list_cap(params)
+        else:
+            cap = device_list_cap(params.top_k != 0)
+            if tp * cap > DV_MERGE_MAX:
+                raise DpSampleError(
+                    f"verify_batch_vocab with top_k on the device at tp={tp}: every request may "
+                    f"have top-k up to 128 and the owners' merge holds {DV_MERGE_MAX} entries "
+                    f"(tp * 128 <= {DV_MERGE_MAX}); pass the parameters as host arrays"
+                )
         handle = resolve_stream(info.kind, stream, self.device)
-        if self._runtime.streamIsCapturing(handle) != 0:
+        if isinstance(params, VerifyParams) and self._runtime.streamIsCapturing(handle) != 0:
             raise DpSampleError(
-                "verify_batch_vocab cannot be captured in a CUDA graph in this version: "
-                "it reads the per-request parameters on the host when it is called"
+                "verify_batch_vocab cannot be captured in a CUDA graph with host parameters "
+                "(they are copied when the call is made): pass temperature, top_k, top_p, "
+                "min_p, seed and offset as arrays on this communicator's device"
             )
         capturing = self._begin(handle)
         push, finish = self._verify_plan(pad_bs, params.vocab_limit)
-        prm, pred, aidx, alen, lp = self._verify_buffers()
-        packed = pack_params(params)
-        cap = list_cap(params)
-        digest = params_digest(params, packed, cap, return_logprobs)
-        packed = np.ascontiguousarray(packed)
-        # pageable source: the call returns once the bytes are staged, in stream order
-        self._runtime.memcpyAsync(int(prm.data.ptr), packed.ctypes.data, packed.nbytes, 1, handle)
+        pred, aidx, alen, lp = self._verify_buffers()[:4]
+        if isinstance(params, VerifyParams):
+            ptrs = self._host_param_pointers(params, handle)
+        else:
+            ptrs = params.pointers
+        digest = call_digest(params.vocab_limit, cap, return_logprobs, cfg.num_tokens_per_req)
         cand = candidates_info.ptr
-        values = (info.ptr, cand, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
+        values = (info.ptr, cand, *ptrs, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
         rows = max(1, bs.bs * cfg.num_tokens_per_req)
         self._issue((push,), handle, values, Op.VERIFY, (push,), min(rows, self._max_argmax_grid))
-        r = pad_bs // cfg.tp_size
+        r = pad_bs // tp
         self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(r, bs.bs)))
-        self._host_epoch += 1
+        if not self._graphed:
+            self._host_epoch += 1
         self._guard.end(handle, capturing)
         self.last_verify_path = "kernels"
         linfo = ArrayInfo(info.kind, int(pred.data.ptr), pred.shape, "int32", self.device, True)
-        ptrs = (int(pred.data.ptr), int(aidx.data.ptr), int(alen.data.ptr))
-        self._gather(0, ptrs, linfo, pad_bs, bs, stream)
+        ptrs3 = (int(pred.data.ptr), int(aidx.data.ptr), int(alen.data.ptr))
+        self._gather(0, ptrs3, linfo, pad_bs, bs, stream)
         base, lay, n = self.arena.ptr, self.layout, cfg.num_tokens_per_req
         specs = [
             (base + lay.out_off("predict"), (pad_bs, n), "int32"),
@@ -569,6 +610,18 @@ class OnesidedBackend(Backend):
                 op=Op.describe_code(mine.op),
                 expected_epoch=e.expected,
                 seen_epoch=seen_epoch,
+            )
+        elif e.code == ERR_VALUE:
+            what = VALUE_ERRORS.get(e.expected, ("a parameter", "a valid value", "f"))
+            bits = e.seen & 0xFFFFFFFF
+            if what[2] == "i":
+                shown = str(ctypes.c_int32(bits).value)
+            else:
+                shown = f"{ctypes.c_float.from_buffer_copy(ctypes.c_uint32(bits)).value:g}"
+            self._error = DpSampleError(
+                f"rank {e.rank}: verify_batch_vocab read {what[0]}[{e.peer}]={shown} on the "
+                f"device; expected {what[1]}. That call's results are undefined and this "
+                "communicator is unusable: close it and build a new one"
             )
         elif e.code == ERR_PARAMS:
             self._error = DpSampleError(

@@ -30,8 +30,8 @@ MAX_SIG_PAD_BS = (1 << 13) - 1
 _OP_SHIFT, _DTYPE_SHIFT, _GRAPH_SHIFT, _PAD_SHIFT = 29, 27, 26, 13
 _FIELD = MAX_SIG_PAD_BS
 #: ctrl words (u32) at the start of the arena, as in dp_common.cuh
-CTRL_EPOCH, CTRL_COUNTER, CTRL_BROKEN = 0, 1, 2
-ERR_TIMEOUT, ERR_MISMATCH, ERR_PARAMS = 1, 2, 3
+CTRL_EPOCH, CTRL_COUNTER, CTRL_BROKEN, CTRL_VALUE = 0, 1, 2, 3
+ERR_TIMEOUT, ERR_MISMATCH, ERR_PARAMS, ERR_VALUE = 1, 2, 3, 4
 #: u32 words of the largest verify record (kernels/verify.cuh: DV_HDR + 2 * 128)
 VERIFY_RECORD_WORDS = 12 + 2 * 128
 #: persistent outputs, in DpDesc.out_off order
@@ -143,7 +143,7 @@ class ArenaOffsets:
     def r_max(self) -> int:
         return self.max_pad_bs // self.tp
 
-    # control block: u32 epoch, counter, broken at 0..12; u64 probe[tp] at 64
+    # control block: u32 epoch, counter, broken, value-error claim at 0..16; u64 probe[tp] at 64
     ctrl_off = 0
     probe_off = 64
 
