@@ -100,7 +100,7 @@ def gpu_case(comm: Any, rank: int, tp: int, key: tuple[int, ...], case: Case) ->
     real = pad_bs if bs_value is None else bs_value
     names = ("predict", "accept_index", "accept_length", "logprobs")
     assert len(outs) == len(want), what
-    for name, got, w in zip(names, outs, want, strict=True):
+    for name, got, w in zip(names[: len(outs)], outs, want, strict=True):
         g = got.get() if case.kind == "cupy" else got.cpu().numpy()
         assert g.shape == w.shape and g.dtype == w.dtype, (what, name, g.shape, g.dtype)
         if name == "logprobs":
