@@ -26,10 +26,11 @@
 // verify_batch_vocab's arguments that the header does not carry (per-request
 // parameters, candidates, vocab_limit, return_logprobs) are compared by the owners'
 // combine (verify.cu: a digest and the candidate in every record), which sets an error
-// word. nccl_verify_finish turns it into ERR_PARAMS in the error block and flips
-// SEQ_DIVERGED in this rank's seq, so the headers of the gathers that follow in the
-// same call differ from every peer's: every rank that took part learns of the
-// divergence, not only the owners whose records differed.
+// word. nccl_verify_finish turns it into ERR_PARAMS in the error block (a parameter
+// value the record kernel refused: ERR_VALUE) and flips SEQ_DIVERGED in this rank's
+// seq, so the headers of the gathers that follow in the same call differ from every
+// peer's: every rank that took part learns of it, not only the owners whose records
+// differed.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -40,19 +41,21 @@ typedef unsigned char u8;
 #define HDR_WORDS 4
 #define ERR_MISMATCH 1
 #define ERR_PARAMS 2
+#define ERR_VALUE 3
 // Flipped in seq by a rank whose verify combine saw other arguments (records.py).
 #define SEQ_DIVERGED 0x40000000
 
 // Host-visible error block (mapped pinned memory); mirrored by
 // ipc_dpsample/backends/nccl/records.py:ERROR_WORDS.
 struct ErrorBlock {
-  int code;       // 0 ok, ERR_MISMATCH, ERR_PARAMS
+  int code;       // 0 ok, ERR_MISMATCH, ERR_PARAMS, ERR_VALUE
   int op;         // op code of the rank that detected it
   int rank;       // the rank that detected it
-  int peer;       // the first rank whose header (ERR_PARAMS: verify record) differed
+  int peer;       // the first rank whose header (ERR_PARAMS: verify record) differed;
+                  // ERR_VALUE: the request whose parameter the kernels refused
   int mine[4];    // the detecting rank's header
   int theirs[4];  // the peer's header
-  int reserved[4];
+  int reserved[4];  // ERR_VALUE: [0] = the DV_BAD_* code (verify.cuh)
 };
 static_assert(sizeof(ErrorBlock) == 64, "ErrorBlock layout is shared with Python");
 
@@ -123,33 +126,37 @@ extern "C" __global__ void nccl_finish(u64 hdr_recv, i64 tp, i64 skip, u64 my_hd
 }
 
 // After verify_batch_vocab's NCCL group and dp_verify_combine: nccl_finish's header
-// check, then the combine's error word (u32: 1 + the first source whose parameter
-// digest or candidate differed from this rank's; 0: none), consumed here: a nonzero
-// word becomes ERR_PARAMS (unless an error is already recorded) and flips
-// SEQ_DIVERGED in the advanced seq. One thread.
+// check, then the verify kernels' two error words (u32, consumed here): err_words[0]
+// from dp_verify_combine, 1 + the first source whose parameters or candidate differ
+// from this rank's (-> ERR_PARAMS, peer = that source); err_words[1] from
+// dp_verify_records, (DV_BAD_* << 24) | request of the first refused parameter value
+// (-> ERR_VALUE, peer = the request, reserved[0] = the DV_BAD_* code). Either flips
+// SEQ_DIVERGED in the advanced seq. An error already recorded is kept. One thread.
 extern "C" __global__ void nccl_verify_finish(u64 hdr_recv, i64 tp, i64 skip, u64 my_hdr,
-                                              u64 counter, u64 err, i64 rank, u64 err_word) {
+                                              u64 counter, u64 err, i64 rank, u64 err_words) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   const int* mine = reinterpret_cast<const int*>(my_hdr);
   check_headers(reinterpret_cast<const int*>(hdr_recv), HDR_WORDS, tp, skip, mine,
                 reinterpret_cast<ErrorBlock*>(err), rank);
-  unsigned* word = reinterpret_cast<unsigned*>(err_word);
-  const unsigned bad = *word;
+  unsigned* words = reinterpret_cast<unsigned*>(err_words);
+  const unsigned mismatch = words[0], refused = words[1];
   int next = mine[3] + 1;
-  if (bad != 0u) {
-    *word = 0u;
+  if (mismatch != 0u || refused != 0u) {
+    words[0] = 0u;
+    words[1] = 0u;
     next ^= SEQ_DIVERGED;
     volatile ErrorBlock* e = reinterpret_cast<ErrorBlock*>(err);
     if (e->code == 0) {
       e->op = mine[0] & 0xff;
       e->rank = (int)rank;
-      e->peer = (int)(bad - 1u);
+      e->peer = mismatch != 0u ? (int)(mismatch - 1u) : (int)(refused & 0xFFFFFFu);
+      e->reserved[0] = mismatch != 0u ? 0 : (int)(refused >> 24);
       for (int w = 0; w < HDR_WORDS; ++w) {
         e->mine[w] = mine[w];
         e->theirs[w] = mine[w];  // the headers agreed; the records did not
       }
       __threadfence_system();
-      e->code = ERR_PARAMS;
+      e->code = mismatch != 0u ? ERR_PARAMS : ERR_VALUE;
     }
   }
   *reinterpret_cast<int*>(counter) = next;

@@ -33,6 +33,7 @@ from ipc_dpsample.backends.nccl.plan import tag_of
 from ipc_dpsample.backends.nccl.records import (
     ERR_MISMATCH,
     ERR_PARAMS,
+    ERR_VALUE,
     SEQ_DIVERGED,
     SETUP_RECORD,
 )
@@ -271,8 +272,18 @@ def test_error_block_gathers() -> None:
 
 def test_error_block_unknown_code() -> None:
     assert format_error_block([7, 2, 1, 0] + [0] * 12) == (
-        "rank 1: NCCL backend error code 7 (expected 1, a header mismatch, or 2, different "
-        "verify_batch_vocab arguments; op 2, peer 0)"
+        "rank 1: NCCL backend error code 7 (expected 1, a header mismatch, 2, different "
+        "verify_batch_vocab arguments, or 3, a refused verify_batch_vocab value; op 2, peer 0)"
+    )
+
+
+def test_error_block_refused_value() -> None:
+    mine = _hdr(Op.VERIFY, Dtype.FLOAT32, 4, 4, 2)
+    words = [ERR_VALUE, int(Op.VERIFY), 1, 3, *mine, *mine, 2, 0, 0, 0]  # DV_BAD_TOP_K
+    assert format_error_block(words, n=2).startswith(
+        "rank 1: the verify kernels refused top_k of request 3 in verify_batch_vocab(pad_bs=4, "
+        "bs=4, N=2, float32) #2 (expected 0..128 or >= vocab_limit; the host had validated "
+        "every value, so this is a bug of ipc_dpsample"
     )
 
 
@@ -329,6 +340,7 @@ def test_error_block_layout_matches_kernel_source() -> None:
     assert re.search(r"#define ERR_MISMATCH (\d+)", src).group(1) == str(ERR_MISMATCH)  # type: ignore[union-attr]
     defines = dict(re.findall(r"#define (\w+) (\w+)", src))
     assert int(defines["ERR_PARAMS"]) == ERR_PARAMS
+    assert int(defines["ERR_VALUE"]) == ERR_VALUE
     assert int(defines["SEQ_DIVERGED"], 16) == SEQ_DIVERGED
 
 

@@ -217,10 +217,34 @@ def _disagree(make: Any, world: int, change: Any) -> list[tuple[str, str]]:
     return make(world, body, vocab_size=vs * world, logits_dtype="float32", max_pad_bs=2 * world)
 
 
-def test_verify_different_temperature_raises(hosts: Any) -> None:
-    """Rank 2 passes another temperature for request 0 (owned by rank 0): the digest
-    in every record differs, so every owner's combine sees it and names the rank whose
-    records differ from its own."""
+def _owner_and_marked(msgs: list[tuple[str, str]], owner: int, odd: int) -> None:
+    """``owner``'s combine saw rank ``odd``'s records differ; every other rank raises
+    through the mark in ``owner``'s gather header."""
+    for rank, (msg, again) in enumerate(msgs):
+        assert msg == again, (msg, again)  # sticky
+        assert "this communicator is now unusable" in msg
+        if rank == owner:
+            assert msg.startswith(
+                f"rank {odd} called verify_batch_vocab(pad_bs=6, bs=6, N=3, float32) #0 with "
+                "different verify_batch_vocab arguments (candidates, temperature, top_k, top_p, "
+                f"min_p, seed, offset, vocab_limit or return_logprobs) than rank {owner} passed "
+                f"to verify_batch_vocab(pad_bs=6, bs=6, N=3, float32) #0 (nccl backend, seen by "
+                f"rank {owner})"
+            ), msg
+        else:
+            assert msg.startswith(
+                f"rank {owner} found records with different verify_batch_vocab arguments "
+                "(candidates, temperature, top_k, top_p, min_p, seed, offset, vocab_limit or "
+                "return_logprobs) in its verify_batch_vocab call #0 (the op before "
+                "gather_verify_outputs(pad_bs=6, bs=6, N=3) #1) and marked its headers (nccl "
+                f"backend, seen by rank {rank})"
+            ), msg
+
+
+def test_verify_different_temperature_raises_on_every_rank(hosts: Any) -> None:
+    """Rank 2 passes another temperature for request 0 (owned by rank 0): the records
+    carry a digest of their request's parameters, so rank 0's combine sees it; it marks
+    the headers of the same call's gather, so ranks 1 and 2 raise as well."""
     make, _ = hosts
 
     def change(rank: int, cand: np.ndarray, prm: dict[str, Any]) -> None:
@@ -228,44 +252,46 @@ def test_verify_different_temperature_raises(hosts: Any) -> None:
             prm["temperature"] = prm["temperature"].copy()
             prm["temperature"][0] += 0.25
 
-    msgs = _disagree(make, 3, change)
-    for rank, (msg, again) in enumerate(msgs):
-        peer = 0 if rank == 2 else 2
-        assert msg == again, (msg, again)
-        assert msg.startswith(
-            f"rank {peer} called verify_batch_vocab(pad_bs=6, bs=6, N=3, float32) #0 with "
-            "different verify_batch_vocab arguments (candidates, temperature, top_k, top_p, "
-            "min_p, seed, offset, vocab_limit or return_logprobs) than rank "
-            f"{rank} passed to verify_batch_vocab(pad_bs=6, bs=6, N=3, float32) #0 (nccl "
-            f"backend, seen by rank {rank})"
-        ), msg
-        assert "this communicator is now unusable" in msg
+    _owner_and_marked(_disagree(make, 3, change), owner=0, odd=2)
 
 
 def test_verify_different_candidate_raises_on_every_rank(hosts: Any) -> None:
     """Rank 1 passes another draft for request 5 (owned by rank 2): only rank 2's
-    combine sees it; it marks the headers of the same call's gather, so ranks 0 and 1
-    raise as well, never returning the outputs silently."""
+    combine sees it, ranks 0 and 1 raise through the mark, never returning the outputs
+    silently."""
     make, _ = hosts
 
     def change(rank: int, cand: np.ndarray, prm: dict[str, Any]) -> None:
         if rank == 1:
             cand[5, 1] = 17
 
-    msgs = _disagree(make, 3, change)
-    owner, _ = msgs[2]
-    assert owner.startswith(
-        "rank 1 called verify_batch_vocab(pad_bs=6, bs=6, N=3, float32) #0 with different "
-        "verify_batch_vocab arguments"
-    ), owner
-    for rank in (0, 1):
-        msg, again = msgs[rank]
-        assert msg == again
+    _owner_and_marked(_disagree(make, 3, change), owner=2, odd=1)
+
+
+def test_verify_value_refused_by_the_kernels_is_reported(hosts: Any) -> None:
+    """The kernels check every parameter again when they read it; a value the host
+    validation would refuse (set behind its back here) is reported, never used."""
+    make, _ = hosts
+    world, vs, pad_bs = 2, 40, 4
+
+    def body(rank: int, backend: NcclBackend, log: Any) -> str:
+        shards, prm = _inputs((9,), world, pad_bs, vs, "float32", "temperature", specials=False)
+        params = verify_params(pad_bs=pad_bs, num_tokens_per_req=N, vocab_size=vs * world,
+                               **prm)  # fmt: skip
+        params.temperature[3] = np.nan
+        x, cand = shards[rank], np.zeros((pad_bs, N), np.int32)
+        backend.verify_batch_vocab(
+            x, describe(x), cand, describe(cand), pad_bs=pad_bs, params=params,
+            return_logprobs=False, bs=RealRows.every(pad_bs), stream=None,
+        )  # fmt: skip
+        with pytest.raises(DpSampleError) as info:
+            backend.check()
+        return str(info.value)
+
+    for rank, msg in enumerate(make(world, body, vocab_size=vs * world, logits_dtype="float32")):
         assert msg.startswith(
-            "rank 2 found records with different verify_batch_vocab arguments (candidates, "
-            "temperature, top_k, top_p, min_p, seed, offset, vocab_limit or return_logprobs) "
-            "in its verify_batch_vocab call #0 (the op before gather_verify_outputs(pad_bs=6, "
-            f"bs=6, N=3) #1) and marked its headers (nccl backend, seen by rank {rank})"
+            f"rank {rank}: the verify kernels refused temperature of request 3 in "
+            "verify_batch_vocab(pad_bs=4, bs=4, N=3, float32) #0 (expected a finite value >= 0"
         ), msg
 
 

@@ -114,11 +114,11 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
     };
   else if (k == "dp_verify_records")
     body = [a]() {
-      dp_verify_records(A15);
+      dp_verify_records(A15, a[15], a[16], a[17], a[18], a[19], a[20]);
     };
   else if (k == "dp_verify_combine")
     body = [a]() {
-      dp_verify_combine(A15, a[15], a[16]);
+      dp_verify_combine(A15, a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
     };
   else return -1;
   launch(grid, block, body);
@@ -136,8 +136,8 @@ ARITY: dict[str, int] = {
     "nccl_unpack": 12,
     "dp_argmax_partials": 11,
     "dp_argmax_combine": 10,
-    "dp_verify_records": 15,
-    "dp_verify_combine": 17,
+    "dp_verify_records": 21,
+    "dp_verify_combine": 23,
 }
 #: Most threads per block the emulation runs of these kernels (see the module docstring).
 BLOCK_CAP: dict[str, int] = {"dp_verify_records": 32, "dp_verify_combine": 32}

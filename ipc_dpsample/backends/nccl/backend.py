@@ -19,7 +19,7 @@ from ...layout import VerifyParams, real_reqs
 from ...protocol import Dtype, Op
 from ..base import Backend, RealRows
 from ..common import InFlightGuard, ViewCache, array_ptr
-from ..verify_plan import kernel_path_refusal, list_cap, pack_params, params_digest
+from ..verify_plan import call_digest, kernel_path_refusal, list_cap, pack_params
 from ..verify_swap import verify_by_swap
 from .geometry import packed_width
 from .plan import ArgmaxPlan, GatherPlan, SwapPlan, VerifyPlan
@@ -397,8 +397,8 @@ class NcclBackend(NcclSetup, Backend):
         ``[pad_bs]``, and with ``return_logprobs`` logprobs float32 ``[pad_bs, N]``) of
         the gathered outputs (:func:`ipc_dpsample.layout.reference_verify_batch_vocab`).
 
-        Kernel path (kernels/verify.cu), on the caller's stream: the parameters
-        (``DvParams [pad_bs]``) copied to the device; ``nccl_header``;
+        Kernel path (kernels/verify.cu), on the caller's stream: the normalised host
+        parameters (six ``[pad_bs]`` arrays) copied to the device; ``nccl_header``;
         ``dp_verify_records`` reduces every real row of the whole input to one record
         (``record_words(cap)`` u32, ``cap`` the call's largest top-k); one NCCL group
         moves ``R*N*record_words(cap)*4`` bytes plus the 16-byte header per peer pair
@@ -414,8 +414,10 @@ class NcclBackend(NcclSetup, Backend):
         Ranks whose per-request parameters, candidates, ``vocab_limit`` or
         ``return_logprobs`` differ: every rank that took part raises
         :class:`DpSampleError` at its next call or :meth:`check` (the combine compares
-        a parameter digest and the candidate in every record; the rank that saw the
-        difference marks the headers of the same call's gathers). Ranks whose largest
+        a digest of the call and of the row's request parameters, and the candidate, in
+        every record; the rank that saw the difference marks the headers of the same
+        call's gathers). The parameters are host arrays here (the communicator reads
+        device arrays on the host for this backend). Ranks whose largest
         top-k differs move different byte counts: NCCL's limit (see the package
         docstring).
 
@@ -443,8 +445,8 @@ class NcclBackend(NcclSetup, Backend):
             )  # fmt: skip
         packed = np.ascontiguousarray(pack_params(params))
         cap = list_cap(params)
-        digest = params_digest(params, packed, cap, return_logprobs)
         n, p = self.cfg.num_tokens_per_req, self.ptr
+        digest = call_digest(params.vocab_limit, cap, return_logprobs, n)
         handle, capturing, prev = self._begin(info.kind, stream)
         try:
             plan = self._verify_plan(pad_bs, params.vocab_limit)
@@ -452,8 +454,8 @@ class NcclBackend(NcclSetup, Backend):
             # pageable source: the call returns once the bytes are staged, in stream order
             self._runtime.memcpyAsync(p["vparams"], packed.ctypes.data, packed.nbytes, _H2D, handle)
             plan.header(handle, bs.bs, bs.ptr)
-            values = (info.ptr, candidates_info.ptr, cap, int(return_logprobs), digest)
-            values += (bs.ptr, bs.bs)
+            values = (info.ptr, candidates_info.ptr, *plan.param_ptrs, cap)
+            values += (int(return_logprobs), digest, bs.ptr, bs.bs)
             real = plan.reqs if bs.on_device else real_reqs(plan.reqs, bs.bs, self.rank)
             rows = pad_bs * n if bs.on_device else bs.bs * n
             plan.records(handle, *values, grid=max(1, min(_MAX_GRID, rows)))

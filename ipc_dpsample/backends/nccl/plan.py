@@ -10,7 +10,7 @@ from ...arrays import ITEMSIZE
 from ...protocol import Call, Dtype, Op
 from ..base import RealRows
 from ..common import PreparedLaunch
-from ..verify_plan import record_words
+from ..verify_plan import param_offsets, record_words
 from .geometry import (
     PARTIAL_BYTES,
     VERIFY_BLOCK,
@@ -254,28 +254,33 @@ class VerifyPlan:
     ``pad_bs`` and ``vocab_limit`` (kernels/verify.cu; the host half of the records is
     :mod:`ipc_dpsample.backends.verify_plan`).
 
-    Per call the host passes what depends on the call's parameters: the input and
-    candidates pointers, the list capacity ``cap``, ``return_logprobs``, the parameter
-    digest and ``bs`` (host value, or the device scalar the kernels read).
+    Per call the host passes what depends on the call: the input and candidates
+    pointers, the six parameter arrays (:attr:`param_ptrs`), the list capacity ``cap``,
+    ``return_logprobs``, the call digest and ``bs`` (host value, or the device scalar
+    the kernels read).
 
     Attributes
     ----------
     reqs : int
         ``R = pad_bs / tp``, this rank's requests ``[rank*R, (rank+1)*R)``.
+    param_ptrs : tuple of 6 int
+        Device addresses of temperature, top_k, top_p, min_p, seed, offset ``[pad_bs]``
+        in the parameter buffer (:func:`~ipc_dpsample.backends.verify_plan.pack_params`'
+        layout for this ``pad_bs``).
     header : PreparedLaunch
         ``nccl_header``; per call ``(bs, bs_ptr)``.
     records : PreparedLaunch
         ``dp_verify_records`` over the whole ``[pad_bs*N, V/tp]`` input into the send
         buffer ``[pad_bs*N][record_words(cap)]`` u32 (rows of requests ``>= bs``
-        skipped); per call ``(src, cand, cap, want_lp, digest, bs_ptr, bs)`` and the
-        grid.
+        skipped); per call ``(src, cand, *param_ptrs, cap, want_lp, digest, bs_ptr,
+        bs)`` and the grid.
     combine : PreparedLaunch
         ``dp_verify_combine`` of the receive buffer ``[tp][R*N][record_words(cap)]``
         into this rank's results (int32 predict/accept_index ``[R, N]``, accept_length
-        ``[R]``, float32 logprobs ``[R, N]``); per call ``(cand, cap, want_lp, digest,
-        bs_ptr, bs)`` and the grid.
+        ``[R]``, float32 logprobs ``[R, N]``); per call ``(cand, *param_ptrs, cap,
+        want_lp, digest, bs_ptr, bs)`` and the grid.
     finish : PreparedLaunch
-        ``nccl_verify_finish``: the header check, the combine's error word into the
+        ``nccl_verify_finish``: the header check, the kernels' error words into the
         error block, seq. Nothing per call.
     send_base, recv_base : int
         Device addresses of the send and receive buffers (the same buffer at tp = 1
@@ -292,28 +297,30 @@ class VerifyPlan:
         vs = cfg.vocab_size // tp
         p, launcher = b.ptr, b.launcher
         self.send_base, self.recv_base = p["vsend"], p["vrecv"]
+        self.param_ptrs = tuple(p["vparams"] + off for off in param_offsets(pad_bs))
         rows = pad_bs * n
         self.header = launcher.header(tag_of(Op.VERIFY, dtype), pad_bs, p["my_hdr"], p["counter"])
+        err_words = p["verr"]  # [0] the combine's argument check, [1] the refused value
         self.records = launcher.prepare(
             "dp_verify_records",
             max(1, min(_MAX_GRID, rows)),
-            (0,) * 7
-            + (p["vparams"], rows, vs, rank * vs, vocab_limit, int(dtype), n, self.send_base),
-            7,
+            (0,) * 13
+            + (rows, vs, rank * vs, vocab_limit, int(dtype), n, self.send_base, err_words + 4),
+            13,
             block=VERIFY_BLOCK,
         )
         outs = (p["vpredict"], p["vaccept_index"], p["vaccept_length"], p["vlogprobs"])
         self.combine = launcher.prepare(
             "dp_verify_combine",
             max(1, reqs),
-            (0,) * 6 + (self.recv_base, p["vparams"], tp, reqs, n, rank * reqs, *outs, p["verr"]),
-            6,
+            (0,) * 12 + (self.recv_base, tp, reqs, n, rank * reqs, vocab_limit, *outs, err_words),
+            12,
             block=VERIFY_BLOCK,
         )
         self.finish = launcher.prepare(
             "nccl_verify_finish",
             1,
-            (p["hdr_recv"], tp, rank, p["my_hdr"], p["counter"], b.err_dev, rank, p["verr"]),
+            (p["hdr_recv"], tp, rank, p["my_hdr"], p["counter"], b.err_dev, rank, err_words),
             0,
             block=1,
         )

@@ -20,6 +20,7 @@ __all__ = [
     "ERROR_WORDS",
     "ERR_MISMATCH",
     "ERR_PARAMS",
+    "ERR_VALUE",
     "HDR_BYTES",
     "HDR_WORDS",
     "INIT_RECORD",
@@ -50,9 +51,20 @@ ERR_MISMATCH = 1
 #: ``nccl_verify_finish``: the verify combine saw a record whose parameter digest or
 #: candidate differs from this rank's (``peer`` = that record's source rank).
 ERR_PARAMS = 2
+#: ``nccl_verify_finish``: ``dp_verify_records`` refused a parameter value (``peer`` =
+#: the request, ``reserved[0]`` = verify.cuh's ``DV_BAD_*`` code).
+ERR_VALUE = 3
 #: Flipped in a rank's ``seq`` by ``nccl_verify_finish`` when its combine saw other
 #: arguments, so that every peer's next header check (the same call's gathers) differs.
 SEQ_DIVERGED = 1 << 30
+#: verify.cuh's ``DV_BAD_*`` codes: the argument and the values the kernels accept.
+_REFUSED = {
+    1: ("temperature", "a finite value >= 0"),
+    2: ("top_k", "0..128 or >= vocab_limit"),
+    3: ("top_p", "0 < top_p <= 1"),
+    4: ("min_p", "0 <= min_p < 1"),
+    5: ("top_p / min_p", "top-k on for that request"),
+}
 #: What ``verify_batch_vocab``'s records compare besides the header.
 _VERIFY_ARGS = (
     "verify_batch_vocab arguments (candidates, temperature, top_k, top_p, min_p, seed, "
@@ -299,19 +311,27 @@ def format_error_block(words: Sequence[int], n: int = -1) -> str:
         (:data:`ERR_MISMATCH`; a peer header whose ``seq`` differs by exactly
         :data:`SEQ_DIVERGED` names the verify arguments that peer found different), or
         for :data:`ERR_PARAMS` (the verify records of rank ``peer`` carried other
-        arguments).
+        arguments); for :data:`ERR_VALUE` the refused verify parameter.
     """
     code, op, rank, peer = (int(w) for w in words[:4])
-    if code not in (ERR_MISMATCH, ERR_PARAMS):
+    if code not in (ERR_MISMATCH, ERR_PARAMS, ERR_VALUE):
         return (
             f"rank {rank}: NCCL backend error code {code} (expected {ERR_MISMATCH}, a header "
-            f"mismatch, or {ERR_PARAMS}, different verify_batch_vocab arguments; op {op}, "
-            f"peer {peer})"
+            f"mismatch, {ERR_PARAMS}, different verify_batch_vocab arguments, or {ERR_VALUE}, "
+            f"a refused verify_batch_vocab value; op {op}, peer {peer})"
         )
     mine = Call.from_header(words[4:8], n)
     theirs = Call.from_header(words[8:12], n)
     if code == ERR_PARAMS:
         return divergence_message(rank, peer, mine, theirs, "nccl", (_VERIFY_ARGS,))
+    if code == ERR_VALUE:
+        arg, expected = _REFUSED.get(int(words[12]), (f"parameter code {words[12]}", "valid"))
+        return (
+            f"rank {rank}: the verify kernels refused {arg} of request {peer} in "
+            f"{mine.describe()} (expected {expected}; the host had validated every value, so "
+            "this is a bug of ipc_dpsample: please report it). That call's results are "
+            "undefined and this communicator is unusable: close it and build a new one"
+        )
     if mine._replace(seq=0) == theirs._replace(seq=0) and mine.seq ^ theirs.seq == SEQ_DIVERGED:
         # the peer's verify (the op before this one) saw records with other arguments
         common = divergence_message(rank, peer, mine, theirs, "nccl")

@@ -21,7 +21,7 @@ from ...group import HostGroup
 from ...identity import gpu_uuid
 from ...layout import TOP_K_MAX
 from ..common import InFlightGuard, ViewCache
-from ..verify_plan import PARAMS_DTYPE, record_words
+from ..verify_plan import PARAM_FIELDS, param_offsets, record_words
 from .geometry import (
     ARGMAX_KERNEL_NAMES,
     ARGMAX_SOURCE,
@@ -182,13 +182,17 @@ class NcclSetup:
         # verify: records [pad_bs*N][rw] u32 (block o = the rows of rank o's requests)
         # and received [tp][R*N][rw], sized for the largest record (tp = 1 without
         # route_self combines straight from the send buffer: its slot 0 is block 0);
-        # DvParams [max_pad_bs]; this rank's results, which the gathers read; the
-        # combine's error word (u32, padded)
+        # the six parameter arrays [max_pad_bs] (verify_plan.pack_params); this rank's
+        # results, which the gathers read; the kernels' error words (u32: the combine's
+        # argument check, the records' refused value; padded)
         rec_bytes = record_words(TOP_K_MAX) * 4
         self._alloc("vsend", cfg.max_pad_bs * n * rec_bytes)
         if tp > 1 or self.route_self:
             self._alloc("vrecv", tp * rmax * n * rec_bytes)
-        self._alloc("vparams", cfg.max_pad_bs * PARAMS_DTYPE.itemsize)
+        self._alloc(
+            "vparams",
+            param_offsets(cfg.max_pad_bs)[-1] + cfg.max_pad_bs * PARAM_FIELDS[-1][1].itemsize,
+        )
         self._alloc("vpredict", rmax * n * 4)  # int32 [R, N]
         self._alloc("vaccept_index", rmax * n * 4)  # int32 [R, N]
         self._alloc("vaccept_length", rmax * 4)  # int32 [R]
