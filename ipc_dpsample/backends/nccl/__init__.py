@@ -48,11 +48,12 @@ one prepared ``cuLaunchKernel``)
   kernel writes the persistent outputs. ``W = 4 + max_pad_bs/tp * (2N + 1)`` for
   *both* gathers, independent of ``pad_bs`` and ``bs``.
 * ``verify_batch_vocab`` (sampled speculative verify without moving the logits;
-  docs/verify_contract.md): the per-request parameters (``DvParams [pad_bs]``, read
-  on the host) are copied to the device; ``nccl_header``; ``dp_verify_records``
-  (kernels/verify.cu) reduces every real row of the whole ``[pad_bs*N, V/tp]`` shard
-  to one record of ``record_words(cap)`` u32 (``cap`` the call's largest top-k: 48
-  bytes for greedy/temperature batches, up to 1072 at top-k 128) into a send buffer
+  docs/verify_contract.md): the per-request parameters (read on the host; six
+  ``[pad_bs]`` arrays, ``verify_plan.pack_params``) are copied to the device;
+  ``nccl_header``; ``dp_verify_records`` (kernels/verify.cu) reduces every real row
+  of the whole ``[pad_bs*N, V/tp]`` shard to one record of ``record_words(cap)`` u32
+  (``cap`` the call's largest top-k: 48 bytes for greedy/temperature batches, up to
+  1072 at top-k 128) into a send buffer
   whose block ``o`` holds rank ``o``'s rows; one NCCL group moves ``R*N*
   record_words(cap)*4`` bytes plus the 16-byte header per peer pair; the own block is
   copied into its receive slot; ``dp_verify_combine`` turns the ``tp`` records of each
@@ -97,14 +98,15 @@ Caught (equal byte counts, different headers), on every rank: another gather (an
 device) or in a swap with a device ``bs`` on every rank, another logits dtype in an
 argmax or verify, or in a swap of the same element size (bfloat16 vs float16).
 
-``verify_batch_vocab``'s other arguments: every record carries a digest of the call's
-per-request parameters, ``vocab_limit``, ``bs`` and ``return_logprobs``
-(``verify_plan.params_digest``) and the row's candidate; the owner's combine compares
-them with its own and ``nccl_verify_finish`` writes ``ERR_PARAMS`` (naming the first
-rank whose records differ) and flips ``SEQ_DIVERGED`` in this rank's ``seq``, so the
-headers of the gathers in the same op differ from every peer's and every rank that
-took part raises, not only the owners that saw the difference (a differing
-parameter changes every record's digest; a differing candidate only that row's).
+``verify_batch_vocab``'s other arguments: every record carries a digest of the call
+(``vocab_limit``, list capacity, ``return_logprobs``, ``N``:
+``verify_plan.call_digest``) mixed on the device with its request's parameters, and
+the row's candidate; the row owner's combine compares them with its own and
+``nccl_verify_finish`` writes ``ERR_PARAMS`` (naming the first rank whose records
+differ; a parameter value the record kernel refuses: ``ERR_VALUE``) and flips
+``SEQ_DIVERGED`` in this rank's ``seq``, so the headers of the gathers in the same op
+differ from every peer's and every rank that took part raises, not only the owner
+that saw the difference.
 
 Limits (NCCL's, not fixable without a host sync per call): transfers whose sizes
 differ between ranks make NCCL wait forever (NCCL has no timeout of its own), and

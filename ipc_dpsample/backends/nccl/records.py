@@ -48,8 +48,9 @@ HDR_BYTES = 4 * HDR_WORDS
 ERROR_WORDS = 16
 ERROR_BYTES = 4 * ERROR_WORDS
 ERR_MISMATCH = 1
-#: ``nccl_verify_finish``: the verify combine saw a record whose parameter digest or
-#: candidate differs from this rank's (``peer`` = that record's source rank).
+#: ``nccl_verify_finish``: the verify combine saw a record whose digest (the call's and
+#: its request's parameters) or candidate differs from this rank's (``peer`` = that
+#: record's source rank).
 ERR_PARAMS = 2
 #: ``nccl_verify_finish``: ``dp_verify_records`` refused a parameter value (``peer`` =
 #: the request, ``reserved[0]`` = verify.cuh's ``DV_BAD_*`` code).
