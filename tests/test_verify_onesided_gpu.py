@@ -48,26 +48,46 @@ def _settle(comm: Any, what: str) -> None:
     comm._group.barrier(timeout_s=60, what=what)
 
 
+_REFS: dict[Any, Any] = {}
+_REFS_LOCK = threading.Lock()
+
+
+def _reference(key: tuple[int, ...], case: Case, tp: int, n: int, v: int, dtype: str) -> Any:
+    """The case's shards, parameters, bs, candidates and expected outputs, computed once
+    for all rank threads (the NumPy reference of a 152064-column batch takes seconds)."""
+    with _REFS_LOCK:
+        k = (key, case, tp, n, v, dtype)
+        if k not in _REFS:
+            vs, pad_bs = v // tp, case.pad_bs
+            raw = logits(key, pad_bs * n, v, scale=case.scale, specials=case.specials)
+            full = encode(raw, dtype)
+            shards = [full[:, s * vs : (s + 1) * vs].contiguous() for s in range(tp)]
+            prm = params((*key, 1), pad_bs, case.mode)
+            bs_value = case.bs
+            if isinstance(case.bs, str):
+                bs_value = int(case.bs.split(":")[1])
+            kw = dict(tp=tp, pad_bs=pad_bs, dtype=dtype, vocab_limit=case.vocab_limit, bs=bs_value)
+            inputs = [storage(s) for s in shards]
+            zero = np.zeros((pad_bs, n), np.int32)
+            first = reference_verify_batch_vocab(inputs, zero, **kw, **prm)
+            cand = accepting_candidates((*key, 2), first[0], v)
+            want = reference_verify_batch_vocab(
+                inputs, cand, **kw, **prm, return_logprobs=case.return_logprobs
+            )
+            if len(_REFS) > 64:
+                _REFS.clear()
+            _REFS[k] = (shards, prm, bs_value, cand, want)
+        return _REFS[k]
+
+
 def gpu_case(comm: Any, rank: int, tp: int, key: tuple[int, ...], case: Case) -> str:
     """One call against the reference; returns the path the backend took."""
     import torch
 
     cfg = comm.config
     n, v, dtype = cfg.num_tokens_per_req, cfg.vocab_size, comm.logits_dtype
-    vs, pad_bs = v // tp, case.pad_bs
-    full = encode(logits(key, pad_bs * n, v, scale=case.scale, specials=case.specials), dtype)
-    shards = [full[:, s * vs : (s + 1) * vs].contiguous() for s in range(tp)]
-    prm = params((*key, 1), pad_bs, case.mode)
-    bs_value = case.bs
-    if isinstance(case.bs, str):
-        bs_value = int(case.bs.split(":")[1])
-    ref_kw = dict(tp=tp, pad_bs=pad_bs, dtype=dtype, vocab_limit=case.vocab_limit, bs=bs_value)
-    inputs = [storage(s) for s in shards]
-    first = reference_verify_batch_vocab(inputs, np.zeros((pad_bs, n), np.int32), **ref_kw, **prm)
-    cand = accepting_candidates((*key, 2), first[0], v)
-    want = reference_verify_batch_vocab(
-        inputs, cand, **ref_kw, **prm, return_logprobs=case.return_logprobs
-    )
+    pad_bs = case.pad_bs
+    shards, prm, bs_value, cand, want = _reference(key, case, tp, n, v, dtype)
     x, c = shards[rank].cuda(), torch.from_numpy(cand).cuda()
     if case.kind == "cupy":
         import cupy
