@@ -362,12 +362,16 @@ class CommRunner(Runner):
         def make() -> dict[str, Any]:
             case = bench_verify_case(self.ctx, dtype, pad_bs, mix)
             dev = self.ctx.device
+            p = case.params
+            # top-p / min-p without top-k: host parameters, which a GPU backend routes
+            # to its swap (its kernels refuse those requests as device parameters)
+            host = p["top_k"] is None and (p["top_p"] is not None or p["min_p"] is not None)
+            on_dev = {k: None if v is None else torch.from_numpy(v).to(dev) for k, v in p.items()}
             return {
                 "candidates": torch.from_numpy(case.candidates).to(dev),
-                "params": {
-                    k: None if v is None else torch.from_numpy(v).to(dev)
-                    for k, v in case.params.items()
-                },
+                "params": on_dev,  # the baseline's sampler takes tensors
+                "verify_params": p if host else on_dev,
+                "host_params": host,
                 "expected": [torch.from_numpy(e).to(dev) for e in case.expected],
             }
 
@@ -383,13 +387,16 @@ class CommRunner(Runner):
         both checked bit for bit against the reference on the real requests."""
         cfg, r, tp = self.ctx.cfg, self.ctx.rank, self.ctx.lp.tp
         c = self._comm(dtype)
-        if op == VERIFY and mode == "graph":
-            raise PointSkipped(
-                f"{VERIFY} reads its per-request parameters on the host in this version: "
-                "not capturable in a CUDA graph"
-            )
         x, exp = self._logits(dtype, pad_bs)
         t = self._verify_tensors(dtype, pad_bs, mix)
+        if op == VERIFY and mode == "graph":
+            backend = c.explain().split(":")[0]
+            if backend != "onesided" or t["host_params"]:
+                raise PointSkipped(
+                    f"{VERIFY} on {backend} with mix {mix} reads its per-request parameters "
+                    "on the host: not capturable in a CUDA graph (onesided captures it with "
+                    "every parameter on the device and top-k on for top-p / min-p requests)"
+                )
         cand, params, expected = t["candidates"], t["params"], t["expected"]
 
         def check(got: Any) -> str:
@@ -401,13 +408,14 @@ class CommRunner(Runner):
             )
 
         if op == VERIFY:
-            missing = self._verify_unavailable(c, dtype, x, cand, pad_bs, params)
+            vparams = t["verify_params"]
+            missing = self._verify_unavailable(c, dtype, x, cand, pad_bs, vparams)
             if missing:
                 raise PointSkipped(missing)
 
             def verify() -> Any:
                 return c.verify_batch_vocab(
-                    x, cand, pad_bs=pad_bs, **params, vocab_limit=cfg.vocab_limit, **kw
+                    x, cand, pad_bs=pad_bs, **vparams, vocab_limit=cfg.vocab_limit, **kw
                 )
 
             return verify, check
