@@ -194,7 +194,7 @@ class OnesidedBackend(Backend):
         self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._argmax_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._verify_plans: dict[tuple[int, int], tuple[PreparedLaunch, PreparedLaunch]] = {}
-        self._verify_bufs: Any = None  # device params and this rank's results, made lazily
+        self._verify_bufs: Any = None  # this rank's results and host parameters (below)
         #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
         self.last_verify_path = ""
         # ranks that are threads of one process must not share a stream
@@ -204,6 +204,7 @@ class OnesidedBackend(Backend):
             device, cfg.rank, None if claim is None else (lambda h: claim(device, h))
         )
         self._runtime = cupy.cuda.runtime
+        self._verify_buffers()  # at construction, with the kernels: never behind a peer's op
         if cfg.logits_dtype is not None:
             self.prepare(cfg.logits_dtype)
 
@@ -437,13 +438,15 @@ class OnesidedBackend(Backend):
 
             cfg = self.cfg
             r, n = cfg.max_pad_bs // cfg.tp_size, cfg.num_tokens_per_req
+            # cupy.empty: an allocation, no kernel (a rank thread that loads or launches
+            # a kernel while a peer's op spins can stall it; see the constructor)
             with cupy.cuda.Device(self.device):
                 self._verify_bufs = (
-                    cupy.zeros((r, n), cupy.int32),
-                    cupy.zeros((r, n), cupy.int32),
-                    cupy.zeros(r, cupy.int32),
-                    cupy.zeros((r, n), cupy.float32),
-                    cupy.zeros(param_offsets(cfg.max_pad_bs)[-1] + 8 * cfg.max_pad_bs, cupy.uint8),
+                    cupy.empty((r, n), cupy.int32),
+                    cupy.empty((r, n), cupy.int32),
+                    cupy.empty(r, cupy.int32),
+                    cupy.empty((r, n), cupy.float32),
+                    cupy.empty(param_offsets(cfg.max_pad_bs)[-1] + 8 * cfg.max_pad_bs, cupy.uint8),
                 )
         return self._verify_bufs
 
