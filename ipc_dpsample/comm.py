@@ -408,8 +408,7 @@ class DpSamplingComm:
 
         The parameter arrays may be host arrays (NumPy, CPU torch tensors) or arrays
         on this communicator's device (CUDA torch tensors, CuPy) of exactly that dtype
-        and shape; in this version they are read on the host when the op is called
-        (a device array costs a synchronous copy).
+        and shape (see below for when device arrays are read on the host).
 
         Returns
         -------
@@ -438,14 +437,22 @@ class DpSamplingComm:
         min-p) this way; a batch with a request that has top-p or min-p but no top-k
         takes the backend's swap, the package's torch sampler
         (:func:`ipc_dpsample.sampling.verify_rows`) on the rank's rows, and the
-        gathers instead: the same results, moving the logits. ``torch`` runs the
+        gathers instead: the same results, moving the logits. ``nccl`` runs the same
+        kernels around one NCCL group that moves each owner's records (host parameters
+        only; the same swap route). ``torch`` runs the
         sharded algorithm (:mod:`ipc_dpsample.verify_shards`) with NumPy on the host
         and moves 128..1312 bytes per row per peer in one all-gather (a probe round and
         a full-row round only for rows the records leave open); it is the portable
         path, not the fast one: CUDA inputs are copied to the host and the results
         back. Through ``fallback_comm_backend`` the same algorithm runs, one
-        ``all_gather_into_tensor`` per round. The parameters are read on the host: the
-        op cannot be captured in a CUDA graph in this version.
+        ``all_gather_into_tensor`` per round.
+
+        On ``onesided``, when every parameter array is on this communicator's device,
+        nothing is read on the host: the kernels read the values when they run, check
+        their ranges there (a refused value, or top-p / min-p without top-k, raises
+        :class:`~ipc_dpsample.errors.DpSampleError` at the next call or :meth:`check`)
+        and the call can be captured in a CUDA graph. Otherwise the parameters are
+        read and validated on the host and the call cannot be captured.
 
         Raises
         ------

@@ -3,10 +3,14 @@
 # the issue, each step with its own time limit (environment T_<STEP> seconds, 0 skips
 # it); logs land in $OUT. Run from the repository root on the device machine:
 #     OUT=out bash scripts/device_verify.sh
+# or from a clean export carried to it (uncommitted work stays behind):
+#     git archive HEAD | tar -x -C .devtree && git rev-parse --short HEAD > .devtree/COMMIT
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
+# a tree exported without .git (git archive HEAD) carries its commit in COMMIT
+export GIT_COMMIT=${GIT_COMMIT:-$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 step() {  # step SECONDS LOGFILE COMMAND...
   local t=$1 log=$2; shift 2
   [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
@@ -20,7 +24,7 @@ step() {  # step SECONDS LOGFILE COMMAND...
 }
 py=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
-git rev-parse --short HEAD >> "$out/misc.log" 2>/dev/null
+echo "commit $GIT_COMMIT" >> "$out/misc.log"
 STEP_SIGNAL=ABRT step "${T_VTEST:-300}" "$out/verify.log" "${py[@]}" tests/test_verify_onesided_gpu.py ${VTEST_K:+-k "$VTEST_K"}
 bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters "${BENCH_ITERS:-10}" --ops verify_batch_vocab)
 STEP_SIGNAL=ABRT step "${T_VBENCH:-200}" "$out/vbench.log" "${bench[@]}" --pad-bs 256 --dtype "${BENCH_DTYPES:-fp32,bf16}" --mode eager --verify-mix "${BENCH_MIXES:-temperature,topk50,topk50-topp0.9}" --out /tmp/vb256

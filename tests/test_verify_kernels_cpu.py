@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _verify_bodies import params
 
 from ipc_dpsample.backends.verify_plan import (
     call_digest,
@@ -31,7 +32,7 @@ from ipc_dpsample.backends.verify_plan import (
     param_offsets,
     record_words,
 )
-from ipc_dpsample.layout import TOP_K_DISABLED, reference_verify_batch_vocab, verify_params
+from ipc_dpsample.layout import reference_verify_batch_vocab, verify_params
 from ipc_dpsample.protocol import Dtype
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
@@ -264,35 +265,21 @@ _FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "offset")
 
 
 def _params(g: np.random.Generator, pad_bs: int, mode: str) -> dict[str, Any]:
-    def pick(values: tuple[Any, ...], dtype: Any) -> np.ndarray:
-        return np.asarray(g.choice(np.asarray(values), pad_bs)).astype(dtype)
-
-    out: dict[str, Any] = {
-        "temperature": pick((0.5, 0.7, 1.0, 1.3), np.float32),
-        "seed": g.integers(-(2**62), 2**62, pad_bs, dtype=np.int64),
-        "offset": g.integers(0, 2**40, pad_bs, dtype=np.int64),
-        "top_k": None,
-        "top_p": None,
-        "min_p": None,
-    }
-    if mode == "greedy":
-        out["temperature"] = pick((0.0, 5e-7), np.float32)
-    elif mode == "top_k":
-        out["top_k"] = pick((1, 2, 5, 50, 128, 0, TOP_K_DISABLED), np.int32)
-    elif mode == "top_k_top_p":
-        out["top_k"] = pick((5, 50, 128), np.int32)
-        out["top_p"] = pick((0.3, 0.9, 0.99), np.float32)
-    elif mode == "top_k_min_p":
-        out["top_k"] = pick((3, 40, 128), np.int32)
-        out["top_p"] = pick((1.0, 0.8), np.float32)
-        out["min_p"] = pick((0.05, 0.3), np.float32)
-    elif mode == "mixed":
-        out["temperature"] = pick((0.0, 0.7, 1.0), np.float32)
-        out["top_k"] = pick((0, 0, 1, 3, 50, TOP_K_DISABLED), np.int32)
-        # top-p / min-p only where top-k is on (the kernels' domain)
+    """``tests/_verify_bodies.params`` of ``mode`` (keyed by a draw of ``g``), plus the
+    kernels' own mixes: ``top_k_min_p``, and ``mixed`` with top-p / min-p only where
+    top-k is on (the kernels' domain)."""
+    key = (int(g.integers(2**31)),)
+    if mode == "top_k_min_p":
+        out = params(key, pad_bs, "top_k_top_p")
+        out["top_k"] = np.asarray(g.choice([3, 40, 128], pad_bs), np.int32)
+        out["top_p"] = np.asarray(g.choice([1.0, 0.8], pad_bs), np.float32)
+        out["min_p"] = np.asarray(g.choice([0.05, 0.3], pad_bs), np.float32)
+        return out
+    out = params(key, pad_bs, mode)
+    if mode == "mixed":
         on = (out["top_k"] >= 2) & (out["top_k"] <= 128)
-        out["top_p"] = np.where(on, pick((1.0, 0.5, 0.95), np.float32), 1).astype(np.float32)
-        out["min_p"] = np.where(on, pick((0.0, 0.1), np.float32), 0).astype(np.float32)
+        out["top_p"] = np.where(on, out["top_p"], 1).astype(np.float32)
+        out["min_p"] = np.where(on, out["min_p"], 0).astype(np.float32)
     return out
 
 
