@@ -72,6 +72,7 @@ __all__ = [
     "torch_argmax",
     "uniform_from_uint32",
     "verify_params",
+    "verify_vocab_limit",
 ]
 
 
@@ -721,6 +722,20 @@ class VerifyParams:
         return noise_stream_key(self.per_row(self.seed), off)
 
 
+def verify_vocab_limit(vocab_limit: int | None, vocab_size: int) -> int:
+    """``verify_batch_vocab``'s ``vocab_limit`` (None: ``vocab_size``), checked:
+    ``1 <= vocab_limit <= min(vocab_size, MAX_VOCAB)``, else ``ValueError``."""
+    limit = vocab_size if vocab_limit is None else int(vocab_limit)
+    if not 1 <= limit <= vocab_size:
+        raise ValueError(f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={vocab_size}")
+    if limit > MAX_VOCAB:
+        raise ValueError(
+            f"vocab_limit={limit} exceeds {MAX_VOCAB}, the largest vocabulary whose "
+            "fixed-point masses fit in 53 bits"
+        )
+    return limit
+
+
 def verify_params(
     *,
     pad_bs: int,
@@ -771,14 +786,7 @@ def verify_params(
         A wrong shape or a value out of range (the message names the allowed range).
     """
     shape = (pad_bs,)
-    limit = vocab_size if vocab_limit is None else int(vocab_limit)
-    if not 1 <= limit <= vocab_size:
-        raise ValueError(f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={vocab_size}")
-    if limit > MAX_VOCAB:
-        raise ValueError(
-            f"vocab_limit={limit} exceeds {MAX_VOCAB}, the largest vocabulary whose "
-            "fixed-point masses fit in 53 bits"
-        )
+    limit = verify_vocab_limit(vocab_limit, vocab_size)
     nreal = pad_bs if bs is None else int(bs)
     if not 0 <= nreal <= pad_bs:
         raise ValueError(f"bs={bs}; expected 0 <= bs <= pad_bs={pad_bs}")

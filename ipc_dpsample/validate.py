@@ -16,7 +16,7 @@ from .arrays import ArrayInfo, ArrayKind, describe, torch_fast_info
 from .backends.base import DeviceVerifyParams, RealRows
 from .config import CommConfig
 from .errors import DpSampleError
-from .layout import MAX_VOCAB, VerifyParams, verify_params
+from .layout import VerifyParams, verify_params, verify_vocab_limit
 from .protocol import LOGITS_DTYPES
 
 __all__ = ["VERIFY_PARAM_DTYPES", "ArgChecker", "DtypeMismatchError"]
@@ -261,15 +261,7 @@ class ArgChecker:
             if info.device < 0:
                 return None
             infos[name] = info
-        v = self.config.vocab_size
-        limit = v if vocab_limit is None else int(vocab_limit)
-        if not 1 <= limit <= v:
-            raise ValueError(f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={v}")
-        if limit > MAX_VOCAB:
-            raise ValueError(
-                f"vocab_limit={limit} exceeds {MAX_VOCAB}, the largest vocabulary whose "
-                "fixed-point masses fit in 53 bits"
-            )
+        limit = verify_vocab_limit(vocab_limit, self.config.vocab_size)
         ptr = {name: 0 if info is None else info.ptr for name, info in infos.items()}
         return DeviceVerifyParams(
             pad_bs=pad_bs,

@@ -233,3 +233,90 @@ def test_nccl_backend_runs_verify_on_its_kernels(monkeypatch: pytest.MonkeyPatch
     lp = got[3].view(np.float32)  # the fakes' host views show float32 as its bits
     ulps = np.abs(lp.view(np.int32).astype(np.int64) - want[3].view(np.int32))
     assert ulps.max() <= 1, ulps
+
+
+# -- device parameters (what the one-sided backend takes), on the CPU -----------------------
+class _Dev:
+    """Stands for an array on cuda:0: ``describe`` (patched below) reports it so."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], ptr: int, contiguous: bool = True):
+        self.dtype, self.shape, self.ptr, self.contiguous = dtype, shape, ptr, contiguous
+
+
+def _device_checker(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from ipc_dpsample import validate
+    from ipc_dpsample.arrays import ArrayInfo, ArrayKind
+    from ipc_dpsample.config import CommConfig
+
+    real = validate.describe
+
+    def fake(x: Any, name: str = "array") -> Any:
+        if isinstance(x, _Dev):
+            return ArrayInfo(ArrayKind.CUPY, x.ptr, x.shape, x.dtype, 0, x.contiguous)
+        return real(x, name)
+
+    def no_host_read(x: Any, info: Any) -> Any:
+        raise AssertionError(f"a device array was read on the host: {info}")
+
+    monkeypatch.setattr(validate, "describe", fake)
+    monkeypatch.setattr(validate, "_to_host", no_host_read)
+    cfg = CommConfig(tp_size=2, rank=0, max_pad_bs=MAX, num_tokens_per_req=N, vocab_size=V)
+    return validate.ArgChecker(cfg, 0)
+
+
+def _device_arrays(pad_bs: int = PAD_BS) -> dict[str, Any]:
+    return {
+        "temperature": _Dev("float32", (pad_bs,), 0x1000),
+        "top_k": _Dev("int32", (pad_bs,), 0x2000),
+        "top_p": None,
+        "min_p": _Dev("float32", (pad_bs,), 0x3000),
+        "seed": _Dev("int64", (pad_bs,), 0x4000),
+        "offset": _Dev("int64", (pad_bs,), 0x5000),
+    }
+
+
+def test_device_parameters_stay_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipc_dpsample.backends.base import DeviceVerifyParams
+
+    check = _device_checker(monkeypatch)
+    cand = _Dev("int32", (PAD_BS, N), 0x6000)
+    bs = _Dev("int32", (1,), 0x7000)
+    kw = dict(pad_bs=PAD_BS, vocab_limit=V - 3, return_logprobs=False, device_params=True)
+    _, params, rows = check.verify(cand, bs=bs, **kw, **_device_arrays())
+    assert params == DeviceVerifyParams(PAD_BS, N, V - 3, 0x1000, 0x2000, 0, 0x3000, 0x4000, 0x5000)
+    assert params.pointers == (0x1000, 0x2000, 0, 0x3000, 0x4000, 0x5000)
+    assert rows.ptr == 0x7000 and rows.bs == PAD_BS  # the device bs is read by the kernels
+    # the structure is still checked, naming the argument and the expected value
+    bad = _device_arrays()
+    bad["seed"] = _Dev("int32", (PAD_BS,), 0x4000)
+    with pytest.raises(TypeError, match="seed dtype int32 != expected int64"):
+        check.verify(cand, bs=None, **kw, **bad)
+    bad = _device_arrays()
+    bad["top_k"] = _Dev("int32", (PAD_BS + 1,), 0x2000)
+    with pytest.raises(ValueError, match=r"top_k shape \(5,\) != expected \(4,\)"):
+        check.verify(cand, bs=None, **kw, **bad)
+    bad = _device_arrays()
+    bad["min_p"] = _Dev("float32", (PAD_BS,), 0x3000, contiguous=False)
+    with pytest.raises(ValueError, match="min_p must be C-contiguous"):
+        check.verify(cand, bs=None, **kw, **bad)
+    bad = _device_arrays()
+    bad["temperature"] = None
+    with pytest.raises(TypeError, match="temperature is required"):
+        check.verify(cand, bs=None, **kw, **bad)
+    with pytest.raises(ValueError, match="expected 1 <= vocab_limit <= V=300"):
+        check.verify(cand, bs=None, **{**kw, "vocab_limit": V + 1}, **_device_arrays())
+
+
+def test_a_host_parameter_makes_every_parameter_read_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check = _device_checker(monkeypatch)
+    cand = _Dev("int32", (PAD_BS, N), 0x6000)
+    arrays = _device_arrays()
+    arrays["seed"] = np.ones(PAD_BS, np.int64)  # one host array: the host path
+    kw = dict(pad_bs=PAD_BS, vocab_limit=None, return_logprobs=False, device_params=True)
+    with pytest.raises(AssertionError, match="read on the host"):
+        check.verify(cand, bs=None, **kw, **arrays)
+    # and without device_params (the torch and nccl backends) device arrays are read too
+    with pytest.raises(AssertionError, match="read on the host"):
+        check.verify(cand, bs=None, **{**kw, "device_params": False}, **_device_arrays())
