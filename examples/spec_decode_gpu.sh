@@ -63,17 +63,18 @@ run sampled-graph-tp8 $small --tp 8 --verify swap $sampled --cuda-graph --check
 pkg="--sampler package --vocab-size 4200 --vocab-limit 4000"
 run sampled-pkg-swap-tp4 $small --tp 4 --verify swap $sampled $pkg --check
 if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(not hasattr(C, "verify_batch_vocab"))'; then
-    # fused runs where the backend has the op; while only the torch backend has it,
-    # IPC_DPSAMPLE_BACKEND=torch with rank processes (set FUSED_ENV= to try onesided)
-    fenv=${FUSED_ENV-IPC_DPSAMPLE_BACKEND=torch}
-    flaunch=${FUSED_LAUNCH---launch processes}
+    # fused on the default backend (onesided: its kernels) with rank threads; set
+    # FUSED_ENV=IPC_DPSAMPLE_BACKEND=torch FUSED_LAUNCH="--launch processes" for the
+    # torch backend's host algorithm
+    fenv=${FUSED_ENV-}
+    flaunch=${FUSED_LAUNCH-}
     for tp in 2 8; do
         RUN_ENV=$fenv run "greedy-fused-tp$tp" $small --tp "$tp" --verify fused $flaunch \
             --device-bs --check
         RUN_ENV=$fenv run "sampled-fused-tp$tp" $small --tp "$tp" --verify fused $flaunch \
             $sampled $pkg --check
     done
-    run graph-fused-tp8 $small --tp 8 --verify fused --cuda-graph --check  # onesided, once it has it
+    run graph-fused-tp8 $small --tp 8 --verify fused --cuda-graph --check  # onesided
 fi
 fi
 
@@ -91,7 +92,7 @@ if "$py" -c 'import sys; from ipc_dpsample import DpSamplingComm as C; sys.exit(
     flaunch=${FUSED_LAUNCH---launch processes}
     RUN_ENV=$fenv run bench-fused-tp8 $big --tp 8 --verify fused $flaunch
     RUN_ENV=$fenv run bench-fused-tp8-sampled $big --tp 8 --verify fused $flaunch $sampled
-    run bench-fused-tp8-graph $big --tp 8 --verify fused --cuda-graph  # onesided, once it has it
+    run bench-fused-tp8-graph $big --tp 8 --verify fused --cuda-graph  # onesided
 fi
 fi
 echo "=== summary (ms per step of the last run; share: verify comm + math over the step)"

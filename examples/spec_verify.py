@@ -446,17 +446,19 @@ class Verifier:
             if top_p is None:
                 top_p = torch.full((pad_bs,), s.top_p, dtype=torch.float32, device=x.seed.device)
                 self._top_p[pad_bs] = top_p
+        prm = {"temperature": x.temperature, "top_k": top_k, "top_p": top_p}
+        prm.update(seed=x.seed, offset=x.offset)
+        if top_p is not None and top_k is None:
+            # top-p without top-k: the GPU kernels need the row's whole key order for it;
+            # host parameters let the backend take its swap route (not capturable)
+            prm = {k: None if v is None else v.cpu() for k, v in prm.items()}
         return self._op(
             "verify",
             self.comm.verify_batch_vocab,
             x.local_logits,
             x.candidates,
             pad_bs=pad_bs,
-            temperature=x.temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=x.seed,
-            offset=x.offset,
+            **prm,
             vocab_limit=self.vocab_limit,
             bs=x.bs,
         )
