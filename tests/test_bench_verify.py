@@ -105,14 +105,32 @@ def test_bytes_are_the_records_of_the_mix() -> None:
     )
     cfg = bench.BenchConfig(
         tp=(2,), pad_bs=(8,), dtypes=("float32",), modes=("eager",), ops=(VERIFY,),
-        verify_mixes=("minp",), backends=("onesided",), baselines=("copy",), vocab=1000,
+        verify_mixes=("minp",), backends=("torch",), baselines=("copy",), vocab=1000,
     )  # fmt: skip
     rows = fake_rows(cfg, lambda *a: 1e-6)
-    verify = next(r for r in rows if r["op"] == VERIFY and r["impl"] == "onesided")
+    verify = next(r for r in rows if r["op"] == VERIFY and r["impl"] == "torch")
     assert (verify["mix"], verify["record_bytes"], verify["bytes"]) == ("minp", 296, 2 * 32 * 296)
     copy = next(r for r in rows if r["op"] == VERIFY and r["impl"] == "copy")
     assert copy["bytes"] == verify["bytes"] and verify["vs_copy"] == pytest.approx(1.0)
     assert next(r for r in rows if r["op"] == "read_once")["mix"] is None
+
+
+def test_gpu_backends_count_their_kernels_records() -> None:
+    """onesided / nccl: the records of the rank's own rows from every rank (48 B + 8 B per
+    list entry; onesided's device parameters hold 128 entries with top-k) plus the
+    results' gather; a mix the kernels refuse moves the logits (swap + sampler + gather)."""
+    n, v = 4, 1000
+    gather = 8 * (2 * n + 1) * 4
+    for backend, cap in (("onesided", 128), ("nccl", 50)):
+        rec = record_bytes("topk50", 8, n, v, backend=backend)
+        assert rec == 4 * (12 + 2 * cap)
+        got = bench.op_bytes(VERIFY, "float32", 8, 2, n, v, 8, "topk50", backend=backend)
+        assert got == 8 * n * rec + gather
+        assert record_bytes("temperature", 8, n, v, backend=backend) == 48
+        assert record_bytes("minp", 8, n, v, backend=backend) == 0
+        assert bench.op_bytes(VERIFY, "bfloat16", 8, 2, n, v, 8, "topp0.9", backend=backend) == (
+            bench.op_bytes("swap_sample_gather", "bfloat16", 8, 2, n, v, 8)
+        )
 
 
 # -- the check data ---------------------------------------------------------------------------
@@ -171,7 +189,8 @@ def test_a_backend_without_the_op_is_skipped_not_failed(
     text = tables.format_verify_table(rows)
     lines = [ln for ln in text.splitlines() if ln.startswith("nccl ")]
     assert len(lines) == 2 and all(" not available " in ln for ln in lines), text
-    assert "520  " in lines[0] and "128  " in lines[1]  # record bytes of topk50, temperature
+    # record bytes of topk50, temperature: the NCCL kernels' records (48 B + 8 B per entry)
+    assert "448  " in lines[0] and " 48  " in lines[1]
     assert "not available: verify_batch_vocab not available on nccl in this version" in text
 
     monkeypatch.setattr(bench, "run_launch", lambda cfg, lp: (rows, ""))
@@ -271,9 +290,10 @@ def test_verify_table_judges_the_targets_on_gpu_device_time() -> None:
     assert eager.endswith(">= 2.5x met, <= 1.5 read_once met"), eager
     assert graph.endswith(">= 2.5x met, <= 1.5 read_once met, <= 1.5 argmax MISSED"), graph
     assert "3.00x" in eager and "1.25" in eager and "2.00" in eager
-    assert " 128 " in eager and " 38016 " in eager  # record and swap bytes per row per shard
-    minp = line[("eager", "minp")]
-    assert minp.split()[6] == "296" and "met" not in minp and "MISSED" not in minp  # no target
+    # the one-sided kernels' record (48 B) and the swap's bytes per row per shard
+    assert " 48 " in eager and " 38016 " in eager
+    minp = line[("eager", "minp")]  # the kernels refuse min-p without top-k: no record
+    assert minp.split()[6] == "-" and "met" not in minp and "MISSED" not in minp  # no target
     assert "minp: min-p 0.05 without top-k" in text and "sampling.verify_rows" in text
     assert set(TARGET_MIXES) == {"temperature", "topk50", "topk50-topp0.9"}
 

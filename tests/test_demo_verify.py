@@ -196,6 +196,10 @@ def test_demo_row_and_footnote_state_the_mix_and_the_record_bytes() -> None:
     # 520 B records (top-k 50) for 16 x 4 rows from one peer; the swap moves 4.10 MB
     assert "a 520 B record per row per shard, 33.28 kB received per rank" in note, note
     assert "(swap_batch_vocab: 4.10 MB)" in note
+    # the one-sided kernels: 1072 B records (device parameters: 128 list entries), each
+    # sent to the row's owner only: 8 x 4 rows from the one peer
+    onesided = demo.verify_note(plan, "onesided")
+    assert "a 1072 B record per row per shard, 34.30 kB received per rank" in onesided, onesided
 
 
 def test_demo_cpu_end_to_end_checks_verify() -> None:

@@ -327,7 +327,7 @@ def format_report(plan: DemoPlan, results: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    lines.append(verify_note(plan))
+    lines.append(verify_note(plan, backends[0] if len(backends) == 1 else "torch"))
     return "\n".join(lines)
 
 
@@ -344,12 +344,14 @@ def unavailable(results: Sequence[dict[str, Any]], op: str) -> str:
     )
 
 
-def verify_note(plan: DemoPlan) -> str:
+def verify_note(plan: DemoPlan, backend: str = "torch") -> str:
     """The footnote of the table's ``verify_batch_vocab`` row: its mix, and the bytes its
-    records move against the swap's."""
-    rec = record_bytes(DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab)
+    records move against the swap's (the torch backend all-gathers every row's records;
+    the GPU kernels send each record to the row's owner only)."""
+    rec = record_bytes(DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab, backend=backend)
     peers = plan.world - 1
-    moved = peers * plan.pad_bs * plan.num_tokens * rec
+    rows = plan.pad_bs // plan.world if backend in ("onesided", "nccl") else plan.pad_bs
+    moved = peers * rows * plan.num_tokens * rec
     return (
         f"note: {VERIFY}'s mix: {mix_text(DEMO_MIX)}; 0 to N-1 drafts accepted per "
         f"request; a {rec} B record per row per shard, {_fmt_bytes(moved)} received per "

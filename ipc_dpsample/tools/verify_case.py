@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.verify_plan import device_list_cap, kernel_path_refusal, list_cap
+from ..backends.verify_plan import record_words as kernel_record_words
 from ..layout import finish_verify, reference_verify_batch_vocab, verify_params
 from ..verify_shards import record_caps, record_words
 from .common import VERIFY, bits_equal
@@ -241,12 +243,20 @@ def record_bytes(
     *,
     bs: int | None = None,
     vocab_limit: int | None = None,
+    backend: str = "torch",
 ) -> int:
     """Bytes of the record each shard sends per row in a ``verify_batch_vocab`` call on
-    a batch of ``mix`` with ``bs`` real requests (``verify_shards.record_caps``: the
-    batch's widest mode sets it; 128 B greedy or temperature only, 520 B top-k 50,
-    296 B min-p, 1312 B top-p without top-k). The probe round of rows the records
-    leave open (896 B per open row) is not included."""
+    a batch of ``mix`` with ``bs`` real requests.
+
+    ``backend="torch"`` (and ``"auto"``, ``fallback``): the host algorithm's record
+    (``verify_shards.record_caps``: the batch's widest mode sets it; 128 B greedy or
+    temperature only, 520 B top-k 50, 296 B min-p, 1312 B top-p without top-k; the
+    probe round of rows the records leave open, 896 B per open row, not included).
+    ``"nccl"``: the GPU kernels' record (``verify_plan.record_words``: 48 B, plus 8 B
+    per list entry of the call's largest top-k: 448 B at top-k 50). ``"onesided"``:
+    the same with the parameters on the device, as the bench passes them (the list
+    holds 128 entries whenever ``top_k`` is given: 1072 B). Both: 0 for a mix those
+    kernels refuse (top-p or min-p without top-k: the swap route moves the logits)."""
     params = mix_params(mix, pad_bs, np.random.default_rng(0))  # the filters are fixed per mix
     checked = verify_params(
         pad_bs=pad_bs,
@@ -256,4 +266,10 @@ def record_bytes(
         bs=bs,
         **params,
     )
+    if backend in ("onesided", "nccl"):
+        if kernel_path_refusal(checked, 1) is not None:
+            return 0
+        if backend == "onesided":
+            return 4 * kernel_record_words(device_list_cap(params["top_k"] is not None))
+        return 4 * kernel_record_words(list_cap(checked))
     return 4 * record_words(*record_caps(checked))

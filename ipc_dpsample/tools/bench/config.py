@@ -378,6 +378,7 @@ def op_bytes(
     bs: int | None = None,
     mix: str = "",
     vocab_limit: int | None = None,
+    backend: str = "torch",
 ) -> int:
     """Bytes one rank moves in ``op`` with ``bs`` real requests (None: ``pad_bs``),
     what the copy baseline copies. The swap: its input rows of real requests
@@ -387,12 +388,21 @@ def op_bytes(
     real rows it receives; ``verify_batch_vocab``: the records of the real rows it
     holds after the all-gather, ``tp * bs * N *`` :func:`~ipc_dpsample.tools.
     verify_case.record_bytes` of ``mix`` (its own included, as for a gather; a probe
-    round is not counted); ``swap_sample_gather``: the swap's bytes plus the gather's."""
+    round is not counted) on the torch backend; on ``backend`` onesided / nccl the
+    records of its own rows from every rank, ``bs * N * record``, plus the results'
+    gather (``swap_sample_gather``'s bytes when the kernels refuse the mix);
+    ``swap_sample_gather``: the swap's bytes plus the gather's."""
     layout = Layout(tp, pad_bs, num_tokens, vocab)
     reqs = pad_bs if bs is None else min(max(bs, 0), pad_bs)
     if op == VERIFY:
-        rec = record_bytes(mix, pad_bs, num_tokens, vocab, bs=reqs, vocab_limit=vocab_limit)
-        return tp * reqs * num_tokens * rec
+        rec = record_bytes(
+            mix, pad_bs, num_tokens, vocab, bs=reqs, vocab_limit=vocab_limit, backend=backend
+        )
+        if backend not in ("onesided", "nccl"):
+            return tp * reqs * num_tokens * rec
+        if rec == 0:
+            return op_bytes("swap_sample_gather", dtype, pad_bs, tp, num_tokens, vocab, bs)
+        return reqs * num_tokens * rec + reqs * (2 * num_tokens + 1) * 4
     if op == "swap_sample_gather":
         swap = layout.swap_bytes_per_rank(pad_bs, ITEMSIZE[dtype], reqs)
         return swap + reqs * (2 * num_tokens + 1) * 4

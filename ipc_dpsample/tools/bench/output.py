@@ -104,11 +104,13 @@ def make_rows(
                 row["mix"] = mix
             if op == VERIFY:
                 row["record_bytes"] = record_bytes(
-                    mix, pad_bs, cfg.num_tokens, cfg.vocab, bs=bs, vocab_limit=cfg.vocab_limit
-                )
+                    mix, pad_bs, cfg.num_tokens, cfg.vocab, bs=bs, vocab_limit=cfg.vocab_limit,
+                    backend=impl,
+                )  # fmt: skip
             row["bytes"] = op_bytes(
-                op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit
-            )
+                op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit,
+                backend=impl,
+            )  # fmt: skip
             key = (impl, op, dtype, pad_bs, bs, mode, mix)
             if lp.reason or impl in skip_reason or rank_results is None:
                 row.update(status="skipped", note=lp.reason or skip_reason.get(impl, ""))
