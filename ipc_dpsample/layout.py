@@ -912,21 +912,31 @@ def sample_full_rows(
         with np.errstate(over="ignore", invalid="ignore"):
             z = xs / temp[idx, None]
         score = z + gumbel_noise(stream_key[idx, None], ids[None, :])
-        order = np.argsort(-xs, axis=1, kind="stable")  # key order
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.broadcast_to(ids, order.shape), axis=1)
         k = top_k[idx]
-        kept = (k[:, None] == 0) | (rank < k[:, None])
-        p_rows = np.flatnonzero(top_p[idx] < 1)
-        if len(p_rows):
-            zs = np.take_along_axis(z[p_rows], order[p_rows], axis=1)
-            in_set = (k[p_rows, None] == 0) | (ids[None, :] < k[p_rows, None])
-            before = prefix_masses(zs, in_set)
-            total = before[:, -1]
-            thr = top_p_threshold(top_p[idx][p_rows], total)
-            keep_sorted = before[:, :-1] < thr[:, None]
-            keep = np.empty_like(keep_sorted)
-            np.put_along_axis(keep, order[p_rows], keep_sorted, axis=1)
+        kept = np.ones(xs.shape, dtype=bool)
+        p = top_p[idx]
+        for kv in np.unique(k[k > 0]):  # top-k: the first k columns in key order
+            rows = np.flatnonzero(k == kv)
+            cols = _first_k_in_key_order(xs[rows], int(kv))  # [rows, k], key order
+            in_top_k = np.zeros((len(rows), v), dtype=bool)
+            np.put_along_axis(in_top_k, cols, True, axis=1)
+            kept[rows] = in_top_k
+            p_rows = np.flatnonzero(p[rows] < 1)
+            if len(p_rows):  # top-p within the top-k set: its columns in key order
+                r = rows[p_rows]
+                zs = np.take_along_axis(z[r], cols[p_rows], axis=1)
+                before = prefix_masses(zs, np.ones(zs.shape, dtype=bool))
+                thr = top_p_threshold(p[r], before[:, -1])
+                out = before[:, :-1] >= thr[:, None]  # outside the nucleus
+                kept[np.repeat(r, out.sum(axis=1)), cols[p_rows][out]] = False
+        p_rows = np.flatnonzero((p < 1) & (k == 0))
+        if len(p_rows):  # top-p over the whole row: every column in key order
+            order = np.argsort(-xs[p_rows], axis=1, kind="stable")
+            zs = np.take_along_axis(z[p_rows], order, axis=1)
+            before = prefix_masses(zs, np.ones(zs.shape, dtype=bool))
+            thr = top_p_threshold(p[p_rows], before[:, -1])
+            keep = np.empty(zs.shape, dtype=bool)
+            np.put_along_axis(keep, order, before[:, :-1] < thr[:, None], axis=1)
             kept[p_rows] &= keep
         mp = min_p[idx]
         m_rows = np.flatnonzero(mp > 0)
@@ -935,6 +945,22 @@ def sample_full_rows(
             kept[m_rows] &= z[m_rows] >= thr_z[:, None]
         tok[idx] = np.argmax(np.where(kept, score, np.float32(-np.inf)), axis=1)
     return tok.astype(np.int32)
+
+
+def _first_k_in_key_order(xs: np.ndarray, k: int) -> np.ndarray:
+    """int ``[rows, k]``: the first ``k`` columns of each float32 row (no NaN) in key
+    order (value descending, column ascending; ``-0.0 == +0.0``), without sorting the
+    row: the k-th value by partition, every larger column, the lowest columns among
+    those equal to it, then those ``k`` sorted."""
+    kth = -np.partition(-xs, k - 1, axis=1)[:, k - 1]
+    gt = xs > kth[:, None]
+    eq = xs == kth[:, None]
+    need = k - gt.sum(axis=1)
+    take = gt | (eq & (np.cumsum(eq, axis=1) <= need[:, None]))
+    cols = np.nonzero(take)[1].reshape(len(xs), k)  # ascending column per row
+    vals = np.take_along_axis(xs, cols, axis=1)
+    order = np.lexsort((cols, -vals), axis=1)  # value descending, then column
+    return np.take_along_axis(cols, order, axis=1)
 
 
 def prefix_masses(z_sorted: np.ndarray, in_set: np.ndarray) -> np.ndarray:

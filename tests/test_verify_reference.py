@@ -587,3 +587,61 @@ def test_top_k_off_values_are_all_off() -> None:
         got = reference_verify_rows(x, C, **_kw(top_k=np.full(2, off, np.int32)))
         for u, w in zip(base, got, strict=True):
             np.testing.assert_array_equal(u, w)
+
+
+def _sample_by_full_sort(x, *, temperature, top_k, top_p, min_p, greedy, stream_key):
+    """sample_full_rows written the plain way: every sampled row sorted in key order."""
+    from ipc_dpsample.layout import (
+        gumbel_noise,
+        min_p_log,
+        prefix_masses,
+        top_p_threshold,
+        torch_argmax,
+    )
+
+    tok = torch_argmax(x)
+    temp = np.where(greedy, np.float32(1), temperature).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        zmax = np.max(np.where(np.isnan(x), np.float32(-np.inf), x), axis=1) / temp
+    ids = np.arange(x.shape[1])
+    for i in np.flatnonzero(~greedy & ~np.isnan(x).any(axis=1) & np.isfinite(zmax)):
+        z = x[i] / temp[i]
+        score = z + gumbel_noise(stream_key[i], ids)
+        order = np.argsort(-x[i], kind="stable")
+        in_set = ids < top_k[i] if top_k[i] else np.ones(len(ids), bool)
+        kept_sorted = in_set.copy()
+        if top_p[i] < 1:
+            before = prefix_masses(z[order][None], in_set[None])[0]
+            kept_sorted &= before[:-1] < top_p_threshold(top_p[i : i + 1], before[-1:])[0]
+        kept = np.empty(len(ids), bool)
+        kept[order] = kept_sorted
+        if min_p[i] > 0:
+            kept &= z >= zmax[i] + min_p_log(min_p[i : i + 1])[0]
+        tok[i] = np.argmax(np.where(kept, score, np.float32(-np.inf)))
+    return tok.astype(np.int32)
+
+
+def test_sample_full_rows_equals_the_plain_full_sort_definition() -> None:
+    """The reference selects top-k sets by partition and sorts only what top-p needs;
+    it must pick exactly what sorting every row picks (ties, signed zeros, -inf)."""
+    from ipc_dpsample.layout import sample_full_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(120):
+        rows, v = int(rng.integers(1, 9)), int(rng.integers(2, 260))
+        x = (rng.standard_normal((rows, v)) * rng.choice([0.01, 1.0, 5.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x).astype(np.float32)
+            zero = x == 0
+            x[zero] = np.where(rng.random(zero.sum()) < 0.5, np.float32(-0.0), np.float32(0.0))
+            x[:, rng.integers(0, v, 3)] = -np.inf
+        k = rng.choice([0, 1, 2, 5, 50, 128], rows)
+        kw = dict(
+            temperature=rng.choice([0.5, 1.0, 2.0], rows).astype(np.float32),
+            top_k=np.where(k >= v, 0, k),
+            top_p=rng.choice([1.0, 0.3, 0.9, 0.99], rows).astype(np.float32),
+            min_p=rng.choice([0.0, 0.1], rows).astype(np.float32),
+            greedy=k == 1,
+            stream_key=rng.integers(0, 2**63, rows, dtype=np.uint64),
+        )
+        assert np.array_equal(sample_full_rows(x, **kw), _sample_by_full_sort(x, **kw)), trial
