@@ -320,3 +320,25 @@ def test_a_host_parameter_makes_every_parameter_read_on_the_host(
     # and without device_params (the torch and nccl backends) device arrays are read too
     with pytest.raises(AssertionError, match="read on the host"):
         check.verify(cand, bs=None, **{**kw, "device_params": False}, **_device_arrays())
+
+
+@pytest.mark.parametrize(("tp", "n", "match"), [(16, 2, "tp=16"), (2, 65, "N <= 64")])
+def test_onesided_device_parameters_beyond_the_kernels_limits_raise(
+    tp: int, n: int, match: str
+) -> None:
+    """Built without CUDA: the limits are checked before anything is launched."""
+    from types import SimpleNamespace
+
+    from ipc_dpsample import DpSampleError
+    from ipc_dpsample.backends.base import DeviceVerifyParams
+    from ipc_dpsample.backends.onesided import backend as onesided
+
+    backend = onesided.OnesidedBackend.__new__(onesided.OnesidedBackend)
+    backend.cfg = SimpleNamespace(tp_size=tp, rank=0, num_tokens_per_req=n)  # type: ignore[assignment]
+    params = DeviceVerifyParams(2 * tp, n, V, 0x100, 0x200, 0, 0, 0x300, 0x400)
+    x, xi, cand, ci, _ = _backend_args()
+    with pytest.raises(DpSampleError, match=match):
+        backend.verify_batch_vocab(
+            x, xi, cand, ci, pad_bs=2 * tp, params=params, return_logprobs=False,
+            bs=RealRows.every(2 * tp), stream=None,
+        )  # fmt: skip

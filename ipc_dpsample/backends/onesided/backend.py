@@ -43,6 +43,7 @@ from ...protocol import Call, Dtype, Op, divergence_message
 from ..base import Backend, DeviceVerifyParams, RealRows
 from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
 from ..verify_plan import (
+    DV_MAX_N,
     DV_MERGE_MAX,
     call_digest,
     device_list_cap,
@@ -527,6 +528,12 @@ class OnesidedBackend(Backend):
             cap = list_cap(params)
         else:
             cap = device_list_cap(params.top_k != 0)
+            if cfg.num_tokens_per_req > DV_MAX_N:
+                raise DpSampleError(
+                    f"verify_batch_vocab with parameters on the device needs N <= {DV_MAX_N} "
+                    f"rows per request (the owners' combine holds them), got "
+                    f"N={cfg.num_tokens_per_req}; pass the parameters as host arrays"
+                )
             if tp * cap > DV_MERGE_MAX:
                 raise DpSampleError(
                     f"verify_batch_vocab with top_k on the device at tp={tp}: every request may "
