@@ -49,7 +49,13 @@ def verify_by_swap(
     mine = min(max(params.bs - rank * r, 0), r)
     own = slice(rank * r, (rank + 1) * r)
     dev = torch.device("cuda", device)
-    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(handle, device=dev)):
+    # the op's stream as a torch stream: torch's own current one when it is that
+    # stream (also the legacy default stream, handle 0), else a wrapper of the handle
+    current = torch.cuda.current_stream(dev)
+    op_stream = (
+        current if current.cuda_stream == handle else torch.cuda.ExternalStream(handle, device=dev)
+    )
+    with torch.cuda.device(dev), torch.cuda.stream(op_stream):
 
         def per_req(a: Any) -> Any:
             return torch.from_numpy(a[own].copy()).to(dev, non_blocking=False)
