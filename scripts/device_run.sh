@@ -3,21 +3,8 @@
 # its own time limit (environment T_<STEP> seconds, 0 skips it) and keeps going past
 # failures; logs land in $OUT (at most 8 files come back from the device).
 set -u
-out=${OUT:-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
-export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-step() {  # step SECONDS LOGFILE COMMAND...
-  local t=$1 log=$2; shift 2
-  [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
-  local t0=$SECONDS
-  echo "### $* (limit ${t}s)" >> "$log"
-  # STEP_SIGNAL=ABRT with python3 -X faulthandler: a stalled step dumps every thread
-  timeout -s "${STEP_SIGNAL:-TERM}" -k 10 "$t" "$@" >> "$log" 2>&1
-  local rc=$?
-  echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
-  echo "[rc=$rc at ${SECONDS}s] $*"
-}
+# shellcheck source=scripts/device_steps.sh
+. "$(dirname "$0")/device_steps.sh"
 # an array, not a function: `timeout` runs programs, and a shell function is not one
 py=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
 san=(compute-sanitizer --error-exitcode 9 --tool)

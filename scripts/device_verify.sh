@@ -6,22 +6,8 @@
 # or from a clean export carried to it (uncommitted work stays behind):
 #     git archive HEAD | tar -x -C .devtree && git rev-parse --short HEAD > .devtree/COMMIT
 set -u
-out=${OUT:-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD CUDA_DEVICE_MAX_CONNECTIONS=32
-# a tree exported without .git (git archive HEAD) carries its commit in COMMIT
-export GIT_COMMIT=${GIT_COMMIT:-$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-step() {  # step SECONDS LOGFILE COMMAND...
-  local t=$1 log=$2; shift 2
-  [ "$t" -gt 0 ] || { echo "[skipped] $*"; return 0; }
-  local t0=$SECONDS
-  echo "### $* (limit ${t}s)" >> "$log"
-  timeout -s "${STEP_SIGNAL:-TERM}" -k 10 "$t" "$@" >> "$log" 2>&1
-  local rc=$?
-  echo "### rc=$rc after $((SECONDS - t0))s" >> "$log"
-  echo "[rc=$rc at ${SECONDS}s] $*"
-  tail -n 3 "$log"
-}
+# shellcheck source=scripts/device_steps.sh
+. "$(dirname "$0")/device_steps.sh"
 py=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
 echo "commit $GIT_COMMIT" >> "$out/misc.log"

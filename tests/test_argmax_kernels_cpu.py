@@ -16,14 +16,13 @@ run on a GPU only.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _cuda_emulation import HEADER, LAUNCH, build
 
 from ipc_dpsample.layout import reference_argmax_batch_vocab
 from ipc_dpsample.protocol import Dtype
@@ -37,25 +36,9 @@ POISON_ID = -7
 POISON_LOGPROB = np.float32(1234.5)
 ATOL = 1e-5
 
-_EMULATION = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <functional>
-#include <mutex>
-#include <thread>
-#include <vector>
-struct Dim { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim threadIdx, blockIdx;
-Dim blockDim, gridDim;
-static std::barrier<>* g_barrier = nullptr;
-#define DP_ARGMAX_CPU_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-inline void __syncthreads() { g_barrier->arrive_and_wait(); }
-#define __expf(x) std::exp(static_cast<float>(x))
+_EMULATION = (
+    HEADER
+    + r"""
 // every load of the logits: bytes read (each counted element exactly once) and alignment
 static std::atomic<unsigned long long> g_bytes{0}, g_vectors{0}, g_misaligned{0};
 static inline void emu_load(unsigned long long addr, unsigned long long bytes) {
@@ -71,26 +54,9 @@ extern "C" void emu_load_stats(unsigned long long* out) {  // read and reset
   out[1] = g_vectors.exchange(0);
   out[2] = g_misaligned.exchange(0);
 }
-
-static std::mutex g_launch;  // one kernel at a time: the statics stand for one SM
-static void launch(unsigned grid, unsigned block, const std::function<void()>& body) {
-  std::lock_guard<std::mutex> lock(g_launch);
-  gridDim.x = grid;
-  blockDim.x = block;
-  std::barrier<> bar(block);
-  g_barrier = &bar;
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < block; ++t)
-    threads.emplace_back([&, t]() {
-      threadIdx.x = t;
-      for (unsigned b = 0; b < grid; ++b) {
-        blockIdx.x = b;
-        body();
-        bar.arrive_and_wait();
-      }
-    });
-  for (auto& th : threads) th.join();
-}
+"""
+    + LAUNCH
+    + r"""
 extern "C" void emu_partials(unsigned grid, unsigned block, u64 src, i64 rows, i64 ncols,
                              i64 col0, i64 vocab_limit, i64 dtype_code, i64 n, i64 req0,
                              u64 bs_ptr, i64 bs_host, u64 out_words) {
@@ -114,23 +80,12 @@ extern "C" void emu_combine_pair(const unsigned* a, const unsigned* b, unsigned*
               out);
 }
 """
+)
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ (C++20) to emulate the argmax kernels on the CPU")
-    work = tmp_path_factory.mktemp("argmax_emulation")
-    (work / "emulate.cpp").write_text(_EMULATION)
-    lib_path = work / "libargmax_emulation.so"
-    cmd = [gxx, "-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-shared", "-fPIC"]
-    cmd += ["-I", str(KERNEL_DIR), str(work / "emulate.cpp"), "-o", str(lib_path), "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and ("barrier" in proc.stderr or "c++20" in proc.stderr):
-        pytest.skip(f"g++ lacks C++20 <barrier>: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build(tmp_path_factory.mktemp("argmax_emulation"), _EMULATION, "argmax_emulation")
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
     lib.emu_partials.argtypes = [c, c, u, i, i, i, i, i, i, i, u, i, u]
     lib.emu_combine.argtypes = [c, c, u, i, i, i, u, u, i, i, u, i]

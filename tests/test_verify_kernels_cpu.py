@@ -15,13 +15,12 @@ inside the one-sided kernels on the GPU (tests/test_verify_onesided_gpu.py).
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _cuda_emulation import HEADER, LAUNCH, build
 from _verify_bodies import params
 
 from ipc_dpsample.backends.verify_plan import (
@@ -38,53 +37,11 @@ from ipc_dpsample.protocol import Dtype
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
 POISON = 0x5A5A5A5A
 
-_EMULATION = r"""
-#include <barrier>
-#include <cmath>
-#include <functional>
-#include <mutex>
-#include <thread>
-#include <vector>
-struct Dim { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim threadIdx, blockIdx;
-Dim blockDim, gridDim;
-static std::barrier<>* g_barrier = nullptr;
-#define DP_ARGMAX_CPU_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __launch_bounds__(x)
-#define __expf(x) std::exp(static_cast<float>(x))
-inline void __syncthreads() { g_barrier->arrive_and_wait(); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
-inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-  return expected;
-}
-#include "verify.cu"
-
-static std::mutex g_launch;  // one kernel at a time: the statics stand for one SM
-static void launch(unsigned grid, unsigned block, const std::function<void()>& body) {
-  std::lock_guard<std::mutex> lock(g_launch);
-  gridDim.x = grid;
-  blockDim.x = block;
-  std::barrier<> bar(block);
-  g_barrier = &bar;
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < block; ++t)
-    threads.emplace_back([&, t]() {
-      threadIdx.x = t;
-      for (unsigned b = 0; b < grid; ++b) {
-        blockIdx.x = b;
-        body();
-        bar.arrive_and_wait();
-      }
-    });
-  for (auto& th : threads) th.join();
-}
+_EMULATION = (
+    HEADER
+    + '#include "verify.cu"\n'
+    + LAUNCH
+    + r"""
 extern "C" void emu_records(unsigned grid, unsigned block, const u64* v) {
   launch(grid, block, [=]() {
     dp_verify_records(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8], (i64)v[9],
@@ -115,6 +72,7 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
   for (i64 i = 0; i < count; ++i) out[i] = dv_top_p_threshold(p[i], w[i]);
 }
 """
+)
 
 
 #: The top-k selection's shared-memory candidate capacity: the default, and one so small
@@ -124,22 +82,10 @@ CAND_CAPS = {"candidates": None, "row-passes": 16}
 
 @pytest.fixture(scope="module", params=sorted(CAND_CAPS))
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ (C++20) to emulate the verify kernels on the CPU")
-    work = tmp_path_factory.mktemp("verify_emulation")
-    (work / "emulate.cpp").write_text(_EMULATION)
-    so = work / "libverify_emulation.so"
     cap = CAND_CAPS[request.param]
-    cmd = [gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-Wall", "-Werror"]
-    cmd += [] if cap is None else [f"-DDV_CAND_CAP={cap}"]
-    cmd += ["-Wno-unknown-pragmas", "-shared", "-fPIC", "-I", str(KERNEL_DIR)]
-    cmd += [str(work / "emulate.cpp"), "-o", str(so), "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and ("barrier" in proc.stderr or "c++20" in proc.stderr):
-        pytest.skip(f"g++ lacks C++20 <barrier>: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
-    lib = ctypes.CDLL(str(so))
+    flags = () if cap is None else (f"-DDV_CAND_CAP={cap}",)
+    work = tmp_path_factory.mktemp("verify_emulation")
+    lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
     lib.emu_records.argtypes = [c, c, u]
     lib.emu_combine.argtypes = [c, c, u]

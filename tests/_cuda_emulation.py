@@ -1,0 +1,88 @@
+"""The CUDA launch emulated on the CPU for the kernels of ``kernels/`` that include no
+toolkit header (argmax.cu, verify.cu): g++ builds them with one ``std::thread`` per CUDA
+thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads`` (and after each
+block, so that ``__shared__`` arrays, plain statics here, are free before the next block
+starts), GCC atomics for ``atomicAdd`` / ``atomicCAS``, and ``-ffp-contract=off`` (the
+device code's ``__*_rn`` intrinsics never contract). :data:`HEADER` goes before the
+kernel source's ``#include``, :data:`LAUNCH` after it; :func:`build` compiles and loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
+
+HEADER = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+Dim blockDim, gridDim;
+static std::barrier<>* g_barrier = nullptr;
+#define DP_ARGMAX_CPU_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(x)
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+#define __expf(x) std::exp(static_cast<float>(x))
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
+"""
+
+LAUNCH = r"""
+static std::mutex g_launch;  // one kernel at a time: the statics stand for one SM
+static void launch(unsigned grid, unsigned block, const std::function<void()>& body) {
+  std::lock_guard<std::mutex> lock(g_launch);
+  gridDim.x = grid;
+  blockDim.x = block;
+  std::barrier<> bar(block);
+  g_barrier = &bar;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t]() {
+      threadIdx.x = t;
+      for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        body();
+        bar.arrive_and_wait();
+      }
+    });
+  for (auto& th : threads) th.join();
+}
+"""
+
+
+def build(work: Path, source: str, name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile ``source`` (a C++ translation unit including kernels/ sources) into
+    ``work/lib<name>.so`` and load it; skip the test when g++ or C++20 is missing."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip(f"needs g++ (C++20) to emulate the {name} kernels on the CPU")
+    (work / f"{name}.cpp").write_text(source)
+    lib_path = work / f"lib{name}.so"
+    cmd = [gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-Wall", "-Werror"]
+    cmd += ["-Wno-unknown-pragmas", "-shared", "-fPIC", *flags, "-I", str(KERNEL_DIR)]
+    cmd += [str(work / f"{name}.cpp"), "-o", str(lib_path), "-lpthread"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and ("barrier" in proc.stderr or "c++20" in proc.stderr):
+        pytest.skip(f"g++ lacks C++20 <barrier>: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    return ctypes.CDLL(str(lib_path))
