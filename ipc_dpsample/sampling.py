@@ -70,12 +70,12 @@ from .layout import (
     MASS_GROUP_BINADES,
     MASS_GROUPS,
     MASS_MANTISSA_BITS,
-    MAX_VOCAB,
     SAMPLING_EPS,
     TOP_K_DISABLED,
     TOP_K_MAX,
     TRITON_UNIFORM_SCALE,
     UNIFORM_MIN,
+    verify_vocab_limit,
 )
 
 __all__ = [
@@ -484,18 +484,6 @@ def _check_param(
     return t
 
 
-def _check_vocab_limit(vocab_limit: int | None, v: int) -> int:
-    limit = v if vocab_limit is None else int(vocab_limit)
-    if not 1 <= limit <= v:
-        raise ValueError(f"vocab_limit={vocab_limit}; expected 1 <= vocab_limit <= V={v}")
-    if limit > MAX_VOCAB:
-        raise ValueError(
-            f"vocab_limit={limit} exceeds {MAX_VOCAB}, the largest vocabulary whose "
-            "fixed-point masses fit in 53 bits"
-        )
-    return limit
-
-
 def sample_rows(
     rows: torch.Tensor,
     *,
@@ -558,7 +546,7 @@ def sample_rows(
     _check_param("min_p", min_p, (torch.float32,), shape, dev)
     _check_param("greedy", greedy, (torch.bool,), shape, dev)
     _check_param("stream_key", stream_key, (torch.int64,), shape, dev)
-    limit = _check_vocab_limit(vocab_limit, v)
+    limit = verify_vocab_limit(vocab_limit, v)
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems={chunk_elems}; expected >= 1")
     x = rows[:, :limit]
@@ -913,7 +901,7 @@ def verify_rows(
     per_rank = g if reqs_per_rank is None else int(reqs_per_rank)
     if per_rank < 1 or g % per_rank:
         raise ValueError(f"reqs_per_rank={reqs_per_rank} must be positive and divide G={g}")
-    limit = _check_vocab_limit(vocab_limit, rows.shape[1])
+    limit = verify_vocab_limit(vocab_limit, rows.shape[1])
     params = row_params(
         temperature=temperature,
         seed=seed,
