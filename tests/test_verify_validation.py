@@ -174,8 +174,9 @@ def _backend_args(cfg_n: int = N) -> tuple[Any, ...]:
     return x, describe(x), cand, describe(cand), params
 
 
+@pytest.mark.parametrize("threads", [False, True])
 def test_onesided_backend_moves_the_logits_for_top_p_without_top_k(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, threads: bool
 ) -> None:
     """Built without CUDA (``__new__``): a batch whose request has top-p but no top-k
     goes to verify_by_swap before any kernel state is touched, saying why."""
@@ -184,8 +185,13 @@ def test_onesided_backend_moves_the_logits_for_top_p_without_top_k(
     from ipc_dpsample.backends.onesided import backend as onesided
 
     backend = onesided.OnesidedBackend.__new__(onesided.OnesidedBackend)
-    backend.cfg = SimpleNamespace(tp_size=2, rank=1)  # type: ignore[assignment]
+    backend.cfg = SimpleNamespace(tp_size=2, rank=1, timeout_s=7.0)  # type: ignore[assignment]
     backend.device = 0
+    barriers: list[tuple[float, str]] = []
+    backend.group = SimpleNamespace(  # type: ignore[assignment]
+        barrier=lambda *, timeout_s, what: barriers.append((timeout_s, what))
+    )
+    backend._threads = threads
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(onesided, "verify_by_swap", lambda *a, **k: calls.append(k) or ("ok",))
     x, xi, cand, ci, _ = _backend_args()
@@ -200,6 +206,14 @@ def test_onesided_backend_moves_the_logits_for_top_p_without_top_k(
     )  # fmt: skip
     assert out == ("ok",) and calls[0]["rank"] == 1 and calls[0]["tp"] == 2
     assert backend.last_verify_path.startswith("swap: request 0 has top_p=0.9 / min_p=0")
+    # rank threads meet between the sampler and the gathers; processes need not
+    hook = calls[0]["before_gather"]
+    if not threads:
+        assert hook is None
+        return
+    assert not barriers
+    hook()
+    assert barriers == [(7.0, "verify_batch_vocab (swap route): every rank's sampler issued")]
 
 
 def test_nccl_backend_runs_verify_on_its_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

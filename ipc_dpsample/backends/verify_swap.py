@@ -12,6 +12,7 @@ parameters on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..arrays import ArrayInfo, as_torch, describe, resolve_stream, torch_view
@@ -36,9 +37,19 @@ def verify_by_swap(
     tp: int,
     rank: int,
     device: int,
+    before_gather: Callable[[], None] | None = None,
 ) -> tuple[Any, ...]:
     """Swap, sample the rank's rows with :func:`~ipc_dpsample.sampling.verify_rows`,
-    gather: what ``verify_batch_vocab`` returns, as views in ``x``'s array type."""
+    gather: what ``verify_batch_vocab`` returns, as views in ``x``'s array type.
+
+    ``before_gather``, when given, runs on the host after the sampler is issued and
+    before the gathers: the one-sided backend passes a barrier of its rank threads
+    there. The sampler allocates device memory (torch's caching allocator, the first
+    time a shape is seen), and CUDA orders work issued after an allocation behind the
+    kernels already running in other streams of the device; a peer thread's gather,
+    spinning for this rank's gather, would then hold it back until the timeout. With
+    every rank past its sampler before any gather is issued, nothing issued after an
+    allocation is waited for by a kernel already running."""
     import torch
 
     from ..sampling import verify_rows
@@ -77,6 +88,8 @@ def verify_by_swap(
     # torch allocated the local results on the op's stream: its caching allocator reuses
     # their memory only in that stream's order, i.e. after the gathers read them
     local = [torch_view(info.kind, t.contiguous()) for t in outs]
+    if before_gather is not None:
+        before_gather()
     linfo = describe(local[0], "predict")
     gathered = backend.gather_verify_outputs(
         local[0], local[1], local[2], linfo, pad_bs=pad_bs, bs=bs, stream=stream

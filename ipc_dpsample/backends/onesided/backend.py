@@ -30,6 +30,7 @@ address; from then on every swap runs its ``graphed`` launches: an entry barrier
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ...arrays import ArrayInfo, resolve_stream
@@ -429,6 +430,14 @@ class OnesidedBackend(Backend):
         return self._views.get_many(info.kind, ("argmax", pad_bs), specs)  # type: ignore[return-value]
 
     # -- verify -------------------------------------------------------------------
+    def _thread_barrier(self, what: str) -> Callable[[], None] | None:
+        """A host barrier of the rank threads (None when ranks are processes): see
+        :func:`~ipc_dpsample.backends.verify_swap.verify_by_swap`."""
+        if not self._threads:
+            return None
+        group, timeout = self.group, self.cfg.timeout_s
+        return lambda: group.barrier(timeout_s=timeout, what=what)
+
     def _verify_buffers(self) -> Any:
         """This rank's results (int32 predict and accept_index ``[R_max, N]``,
         accept_length ``[R_max]``, float32 logprobs ``[R_max, N]``), which the gathers
@@ -523,7 +532,8 @@ class OnesidedBackend(Backend):
                 return verify_by_swap(
                     self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
                     return_logprobs=return_logprobs, bs=bs, stream=stream, tp=tp,
-                    rank=cfg.rank, device=self.device,
+                    rank=cfg.rank, device=self.device, before_gather=self._thread_barrier(
+                        "verify_batch_vocab (swap route): every rank's sampler issued"),
                 )  # fmt: skip
             cap = list_cap(params)
         else:
