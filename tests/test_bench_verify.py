@@ -153,6 +153,29 @@ def test_case_is_the_reference_of_the_timed_inputs(dtype: str, mix: str) -> None
     assert case.record_bytes == record_bytes(mix, pad_bs, n, v)
 
 
+@pytest.mark.parametrize("mix", ["topk50-topp0.9", "mixed", "topp0.9"])
+def test_reference_tokens_in_chunks_are_the_whole_batchs(
+    monkeypatch: pytest.MonkeyPatch, mix: str
+) -> None:
+    """The bench's reference in chunks of tp requests on a thread pool: every row's
+    token equals the one-call reference's."""
+    from ipc_dpsample.tools import verify_case
+
+    tp, pad_bs, n, v = 2, 8, 3, 400
+    inputs = [
+        common.to_numpy(bench.swap_input(5, s, tp, pad_bs, n, v, "bfloat16", "cpu"))
+        for s in range(tp)
+    ]
+    params = verify_case.mix_params(mix, pad_bs, np.random.default_rng(1))
+    kw = dict(tp=tp, pad_bs=pad_bs, dtype="bfloat16", vocab_limit=v - 3)
+    whole = verify_case.reference_tokens(inputs, **kw, params=params)
+    want = reference_verify_batch_vocab(inputs, np.zeros((pad_bs, n), np.int32), **kw, **params)
+    assert np.array_equal(whole, want[0])
+    monkeypatch.setattr(verify_case, "_REFERENCE_CHUNK_ELEMENTS", 1)  # chunks of tp requests
+    got = verify_case.reference_tokens(inputs, **kw, params=params, workers=3)
+    assert got.shape == (pad_bs, n) and np.array_equal(got, want[0])
+
+
 # -- the rank body with a fake backend -----------------------------------------------------------
 def _run(cfg: bench.BenchConfig) -> list[dict[str, Any]]:
     lp = bench.LaunchPlan(2, "threads", "cpu", ("nccl",), (), cfg.pad_bs, ("eager",))
