@@ -690,6 +690,40 @@ __device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, u
   dv_select(cands, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
 }
 
+// f(x, c) for every column c < ncols of `row` (x its value as float), each thread
+// visiting its columns in increasing order: a scalar head up to the first 16-byte
+// boundary, then 16-byte vectors (two in flight per thread), then a scalar tail.
+template <typename Tag, typename F>
+__device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, unsigned ncols,
+                                            F&& f) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c = t; c < head; c += B) f(argmax_load1<Tag>(row + c), c);
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned v = t; v < nvec; v += 2 * B) {
+    const bool second = v + B < nvec;
+    const ArgmaxVec16 a = argmax_load16(vp + v);
+    ArgmaxVec16 b = a;
+    if (second) b = argmax_load16(vp + v + B);
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(a, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) f(xs[j], head + v * E + j);
+    if (second) {
+      ArgmaxUnpack<Tag>::run(b, xs);
+#pragma unroll
+      for (unsigned j = 0; j < E; ++j) f(xs[j], head + (v + B) * E + j);
+    }
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
+}
+
 // The record of one row: `ncols` counted columns (those below vocab_limit) starting at
 // global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
 // Every thread of the block calls it; rec is complete when it returns.
@@ -698,19 +732,18 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
                               const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
                               unsigned cand, unsigned digest, unsigned* rec,
                               DvRecordShared& sh) {
-  const unsigned t = threadIdx.x, B = blockDim.x;
+  const unsigned t = threadIdx.x;
   // pass 1: first NaN, first maximum
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
-  for (unsigned c = t; c < ncols; c += B) {
-    const float x = argmax_load1<Tag>(row + c);
+  dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
     if (argmax_isnan(x)) {
       if (nan_id == DV_NO_ID) nan_id = col0 + c;
     } else if (max_id == DV_NO_ID || x > m) {
       m = x;
       max_id = col0 + c;
     }
-  }
+  });
   nan_id = dv_block_min(sh.red, nan_id);
   float unused = 0.0f;
   dv_block_best(sh.red, m, max_id, unused);
@@ -718,10 +751,9 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // pass 2 (logprobs): sum of exp(x - max) in float64
   double se = 0.0;
   if (want_lp && !has_nan && argmax_isfinite(m)) {
-    for (unsigned c = t; c < ncols; c += B) {
-      const float x = argmax_load1<Tag>(row + c);
-      if (x != dv_neg_inf()) se += dv_exp((double)x - (double)m);
-    }
+    dv_row_each<Tag>(row, ncols, [&](float x, unsigned) {
+      if (x != dv_neg_inf()) se = dv_dadd(se, dv_exp(dv_dadd((double)x, -(double)m)));
+    });
     se = dv_block_sum(sh.red, se);
   }
   const int mode = dv_mode(p);
@@ -736,22 +768,21 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     best_id = max_id;
     best_val = m;
     const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
-    for (unsigned c = t; c < ncols; c += B) {
-      const float x = argmax_load1<Tag>(row + c);
+    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
       const float z = dv_fdiv(x, T);
-      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) continue;  // cannot win (NaN-safe)
+      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win (NaN-safe)
       const unsigned id = col0 + c;
       const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
       // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
       // estimate with a wide margin skips the exact double-precision noise (NaN: keep)
-      if (u < __expf(-__expf(z - best_score)) * 0.9999f) continue;
+      if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
       const float s = dv_fadd(z, dv_gumbel(u));
       if (dv_better(s, id, best_score, best_id)) {
         best_score = s;
         best_id = id;
         best_val = x;
       }
-    }
+    });
     dv_block_best(sh.red, best_score, best_id, best_val);
   } else if (mode == DV_TOPK && ncols > 0) {
     list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
