@@ -644,26 +644,17 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
   __syncthreads();
 }
 
-// The top `kk` columns of the row in key order into rec's list (kk >= 1). The first
-// radix digit (sign, exponent, 2 mantissa bits) is counted over the row; when the
-// columns at or above the k-th one's digit fit in shared memory they are gathered
-// there and the remaining digits are found among them (2 passes over the row);
-// otherwise (many columns share the digit) every digit takes a pass over the row.
+// The top `kk` columns of the row in key order into rec's list (kk >= 1). sh.hist
+// holds the count of every first radix digit (sign, exponent, 2 mantissa bits) over
+// the row (dv_row_max_hist, the record's first pass); when the columns at or above
+// the k-th one's digit fit in shared memory they are gathered there and the remaining
+// digits are found among them (one more pass over the row); otherwise (many columns
+// share the digit) every remaining digit takes a pass over the row.
 template <typename Tag>
 __device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                              unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
   const unsigned t = threadIdx.x, B = blockDim.x;
   const DvRowSource<Tag> src{row, ncols, col0};
-  for (unsigned i = t; i < 2048u; i += B) sh.hist[i] = 0;
-  __syncthreads();
-  for (unsigned c0 = 0; c0 < ncols; c0 += B) {
-    const unsigned c = c0 + t;
-    unsigned key = 0, id;
-    float val;
-    if (c < ncols) src.get(c, key, id, val);
-    dv_hist_add(sh.hist, key >> 21, c < ncols);
-  }
-  __syncthreads();
   dv_find_bin(sh, 2048u, kk);
   const unsigned bin = sh.found_bin, above = sh.found_above, eq = sh.hist[bin];
   __syncthreads();
@@ -724,6 +715,57 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
+// Pass 1 of a top-k row: the first NaN and the first maximum of this thread's
+// columns (visited in increasing order, as dv_row_each does) and, into sh.hist, the
+// count of every first radix digit over the row (dv_row_top_k's first pass, fused).
+// Every loop's trip count is the same on every thread (dv_hist_add is warp-wide).
+template <typename Tag>
+__device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols,
+                                unsigned col0, unsigned& nan_id, unsigned& max_id, float& m,
+                                DvRecordShared& sh) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  for (unsigned i = t; i < 2048u; i += B) sh.hist[i] = 0;
+  __syncthreads();
+  auto visit = [&](float x, unsigned c, bool valid) {
+    if (valid) {
+      if (argmax_isnan(x)) {
+        if (nan_id == DV_NO_ID) nan_id = col0 + c;
+      } else if (max_id == DV_NO_ID || x > m) {
+        m = x;
+        max_id = col0 + c;
+      }
+    }
+    dv_hist_add(sh.hist, dv_order_key(x) >> 21, valid);
+  };
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {
+    const unsigned c = c0 + t;
+    visit(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
+  }
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
+    const unsigned v = v0 + t;
+    ArgmaxVec16 a;
+    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
+    if (v < nvec) a = argmax_load16(vp + v);
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(a, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) visit(xs[j], head + v * E + j, v < nvec);
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {
+    const unsigned c = c0 + t;
+    visit(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
+  }
+  __syncthreads();
+}
+
 // The record of one row: `ncols` counted columns (those below vocab_limit) starting at
 // global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
 // Every thread of the block calls it; rec is complete when it returns.
@@ -736,14 +778,24 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // pass 1: first NaN, first maximum
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
-  dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
-    if (argmax_isnan(x)) {
-      if (nan_id == DV_NO_ID) nan_id = col0 + c;
-    } else if (max_id == DV_NO_ID || x > m) {
-      m = x;
-      max_id = col0 + c;
-    }
-  });
+  const int mode = dv_mode(p);
+  unsigned list_len = 0;
+  if (mode == DV_TOPK && ncols > 0) {
+    list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
+    if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
+  }
+  if (list_len > 0) {  // with the top-k selection's first histogram
+    dv_row_max_hist<Tag>(row, ncols, col0, nan_id, max_id, m, sh);
+  } else {
+    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
+      if (argmax_isnan(x)) {
+        if (nan_id == DV_NO_ID) nan_id = col0 + c;
+      } else if (max_id == DV_NO_ID || x > m) {
+        m = x;
+        max_id = col0 + c;
+      }
+    });
+  }
   nan_id = dv_block_min(sh.red, nan_id);
   float unused = 0.0f;
   dv_block_best(sh.red, m, max_id, unused);
@@ -756,9 +808,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     });
     se = dv_block_sum(sh.red, se);
   }
-  const int mode = dv_mode(p);
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
-  unsigned best_id = DV_NO_ID, list_len = 0;
+  unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
     const dv_u64 key = dv_stream_key(p, d);
     const float T = p.temperature;
@@ -784,10 +835,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
       }
     });
     dv_block_best(sh.red, best_score, best_id, best_val);
-  } else if (mode == DV_TOPK && ncols > 0) {
-    list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
-    if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
-    if (list_len > 0) dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, sh);
+  } else if (list_len > 0) {
+    dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, sh);
   }
   if (t == 0) {
     rec[DV_W_FLAGS] = has_nan ? 1u : 0u;
