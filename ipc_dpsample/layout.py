@@ -57,7 +57,6 @@ __all__ = [
     "min_p_log",
     "noise_stream_key",
     "philox4x32_10",
-    "philox4x64_10",
     "prefix_masses",
     "real_reqs",
     "reference_argmax_batch_vocab",
@@ -327,7 +326,6 @@ MAX_VOCAB = 1 << 21
 
 _U32 = np.uint64(0xFFFFFFFF)
 _PHILOX32 = (0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85)  # M0, M1, W0, W1
-_PHILOX64 = (0xD2E7470EE14C6C93, 0xCA5A826395121157, 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B)
 
 
 def philox4x32_10(
@@ -345,9 +343,9 @@ def philox4x32_10(
     Returns
     -------
     four uint32 arrays of the broadcast shape
-        The output block ``(x0, x1, x2, x3)``. Triton's ``tl.randint(seed, offset)`` with
-        32-bit offsets is ``x0`` for counter ``(offset, 0, 0, 0)`` and key
-        ``(seed & 0xffffffff, seed >> 32)``.
+        The output block ``(x0, x1, x2, x3)``. Triton's ``tl.randint(seed, offset)`` is
+        ``x0`` for counter ``(offset & 0xffffffff, offset >> 32, 0, 0)`` (the high word
+        0 for 32-bit offsets) and key ``(seed & 0xffffffff, seed >> 32)``.
     """
     m0, m1, w0, w1 = (np.uint64(v) for v in _PHILOX32)
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _U32 for c in counter)
@@ -362,77 +360,36 @@ def philox4x32_10(
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))  # type: ignore[return-value]
 
 
-def _mulhilo64(a: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """High and low 64 bits of ``a * m`` (uint64 arrays, ``m`` a 64-bit constant)."""
-    a0, a1 = a & _U32, a >> np.uint64(32)
-    m0, m1 = np.uint64(m & 0xFFFFFFFF), np.uint64(m >> 32)
-    p00, p01, p10, p11 = a0 * m0, a0 * m1, a1 * m0, a1 * m1
-    mid = (p00 >> np.uint64(32)) + (p01 & _U32) + (p10 & _U32)
-    hi = p11 + (p01 >> np.uint64(32)) + (p10 >> np.uint64(32)) + (mid >> np.uint64(32))
-    lo = (mid << np.uint64(32)) | (p00 & _U32)
-    return hi, lo
-
-
-def _as_u64(v: np.ndarray | int) -> np.ndarray:
-    """``v`` as uint64: signed integers by their two's-complement bits."""
-    arr = np.asarray(v)
-    if arr.dtype.kind == "i":
-        return arr.astype(np.int64).view(np.uint64)
-    if arr.dtype.kind == "u":
-        return arr.astype(np.uint64)
-    raise TypeError(f"expected integers, got dtype {arr.dtype}")
-
-
-def philox4x64_10(
-    counter: Sequence[np.ndarray | int], key: Sequence[np.ndarray | int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Philox4x64-10 (Random123's ``philox4x64``), vectorised over uint64 arrays.
-
-    Parameters
-    ----------
-    counter : four arrays or ints in ``[0, 2**64)`` (int64 inputs are read as their bits)
-    key : two arrays or ints in ``[0, 2**64)``
-
-    Returns
-    -------
-    four uint64 arrays
-        The output block. Triton's ``tl.randint(seed, offset)`` with int64 ``seed`` and
-        ``offset`` is ``x0`` for counter ``(offset, 0, 0, 0)`` and key ``(seed, 0)``.
-    """
-
-    m0, m1, w0, w1 = _PHILOX64
-    c0, c1, c2, c3 = (_as_u64(c) for c in counter)
-    k0, k1 = (_as_u64(k) for k in key)
-    c0, c1, c2, c3, k0, k1 = (a.copy() for a in np.broadcast_arrays(c0, c1, c2, c3, k0, k1))
-    with np.errstate(over="ignore"):
-        for _ in range(10):
-            hi0, lo0 = _mulhilo64(c0, m0)
-            hi1, lo1 = _mulhilo64(c2, m1)
-            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-            k0 = k0 + np.uint64(w0)
-            k1 = k1 + np.uint64(w1)
-    return c0, c1, c2, c3
-
-
 def noise_stream_key(seed: np.ndarray, position_offset: np.ndarray) -> np.ndarray:
     """The per-row key of the Gumbel noise: Triton's ``tl.randint(seed, offset + d)``.
+
+    Triton's ``randint`` runs Philox4x32-10 whatever the width of its arguments: an
+    int64 offset is split into the counter words ``(low 32 bits, high 32 bits)`` and
+    the int64 seed into the key ``(low 32 bits, high 32 bits)``; the result is word 0,
+    a 32-bit value (Triton 3.x ``randint4x``; checked against Triton on a GPU by
+    ``tests/test_triton_parity_gpu.py``).
 
     Parameters
     ----------
     seed : int64 array
-        The request's seed.
+        The request's seed (read as its two's-complement bits).
     position_offset : int64 array, same shape
         ``offset[req] + d`` for draft position ``d`` (int64 wrap-around).
 
     Returns
     -------
     uint64 array
-        ``philox4x64_10((offset + d, 0, 0, 0), (seed, 0))[0]``.
+        ``philox4x32_10((off & 0xffffffff, off >> 32, 0, 0),
+        (seed & 0xffffffff, seed >> 32))[0]``, a value below ``2**32``: the uniforms'
+        Philox key is then ``(key, 0)`` (:func:`gumbel_noise`), as Triton's
+        ``tl.rand(key, id)`` reads its 32-bit seed.
     """
-    seed = np.asarray(seed, dtype=np.int64)
-    off = np.asarray(position_offset, dtype=np.int64)
-    zero = np.zeros_like(off)
-    return philox4x64_10((off, zero, zero, zero), (seed, np.zeros_like(seed)))[0]
+    seed = np.asarray(seed, dtype=np.int64).view(np.uint64)
+    off = np.asarray(position_offset, dtype=np.int64).view(np.uint64)
+    hi = np.uint64(32)
+    return philox4x32_10((off & _U32, off >> hi, 0, 0), (seed & _U32, seed >> hi))[0].astype(
+        np.uint64
+    )
 
 
 def uniform_from_uint32(x: np.ndarray) -> np.ndarray:

@@ -27,13 +27,13 @@ How the bits come out equal to the NumPy reference (the contract's "float defini
 * **Transcendentals** only through the layout's polynomial definitions (:func:`_det_log`,
   :func:`_det_exp2_frac`, the same coefficients): ``torch.log``/``torch.exp`` decide no
   token (they only appear in the optional logprobs).
-* **Integers**: Philox4x32-10 and 4x64-10 run on int64 tensors holding 32-bit limbs in
+* **Integers**: Philox4x32-10 runs on int64 tensors holding 32-bit words in
   ``[0, 2**32)``: a 32x32 -> 64 product is split by 16-bit halves of the constant (each
-  partial product < 2**48), 64x64 -> 128 from four of those, every value non-negative and
-  below 2**63, so no signed overflow and no sign-dependent shift happens; int64 inputs
-  (seeds, offsets, stream keys) are read as their two's-complement bits by ``& 0xffffffff``
-  and ``>> 32`` (arithmetic shift, then mask), and the stream key is reassembled as a
-  signed int64 without overflow. ``offset + d`` is added in limbs (int64 wrap-around).
+  partial product < 2**48), every value non-negative and below 2**63, so no signed
+  overflow and no sign-dependent shift happens; int64 inputs (seeds, offsets) are read
+  as their two's-complement bits by ``& 0xffffffff`` and ``>> 32`` (arithmetic shift,
+  then mask); the stream key is a 32-bit word. ``offset + d`` is added in 32-bit words
+  (int64 wrap-around).
 * **Orders**: the key order (logit descending, id ascending, ``-0.0 == +0.0``) is one
   tie-free int64 per column (the float's bits made monotone, times ``2**32``, plus
   ``2**32 - 1 - id``), so ``torch.topk`` / ``torch.sort`` give the reference's stable
@@ -65,7 +65,6 @@ from .layout import (
     _LOG2E,
     _LOG_SERIES,
     _PHILOX32,
-    _PHILOX64,
     _SQRT_HALF,
     MASS_GROUP_BINADES,
     MASS_GROUPS,
@@ -115,12 +114,17 @@ def _mulhi32(x: torch.Tensor, m: int) -> torch.Tensor:
     return (b >> 16) + ((a + ((b & 0xFFFF) << 16)) >> 32)
 
 
-def _philox4x32_word0(c0: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
-    """Word 0 of Philox4x32-10 for counter ``(c0, 0, 0, 0)`` and key ``(k0, k1)``: int64
-    tensors of 32-bit values, broadcastable. The zero words start as ``[1, ..]`` tensors,
-    so the first two rounds run on the broadcast shapes only where the values differ."""
+def _philox4x32_word0(
+    c0: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, c1: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Word 0 of Philox4x32-10 for counter ``(c0, c1, 0, 0)`` (``c1`` 0 when None) and
+    key ``(k0, k1)``: int64 tensors of 32-bit values, broadcastable. The zero words start
+    as ``[1, ..]`` tensors, so the first two rounds run on the broadcast shapes only
+    where the values differ."""
     m0, m1, w0, w1 = _PHILOX32
-    c1 = c2 = c3 = torch.zeros((1,) * c0.dim(), dtype=torch.int64, device=c0.device)
+    c2 = c3 = torch.zeros((1,) * c0.dim(), dtype=torch.int64, device=c0.device)
+    if c1 is None:
+        c1 = c2
     for _ in range(9):
         hi0, lo0 = _mul32(c0, m0)
         hi1, lo1 = _mul32(c2, m1)
@@ -130,56 +134,9 @@ def _philox4x32_word0(c0: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> t
     return _mulhi32(c2, m1) ^ c1 ^ k0  # round 10: only word 0 is needed
 
 
-_Limbs = tuple[torch.Tensor, torch.Tensor]  # (high 32 bits, low 32 bits) of a 64-bit word
-
-
-def _mulhilo64(a: _Limbs, m: int) -> tuple[_Limbs, _Limbs]:
-    """High and low 64-bit words of ``a * m`` (``m`` a 64-bit constant), in limbs."""
-    a_hi, a_lo = a
-    m_lo, m_hi = m & _M32, m >> 32
-    h00, l00 = _mul32(a_lo, m_lo)
-    h01, l01 = _mul32(a_lo, m_hi)
-    h10, l10 = _mul32(a_hi, m_lo)
-    h11, l11 = _mul32(a_hi, m_hi)
-    mid = h00 + l01 + l10  # < 3 * 2**32
-    top = h01 + h10 + l11 + (mid >> 32)
-    return ((h11 + (top >> 32)) & _M32, top & _M32), (mid & _M32, l00)
-
-
-def _xor3(a: _Limbs, b: _Limbs, c: _Limbs) -> _Limbs:
-    return a[0] ^ b[0] ^ c[0], a[1] ^ b[1] ^ c[1]
-
-
-def _add64(a: _Limbs, c: int) -> _Limbs:
-    """``a + c mod 2**64`` in limbs."""
-    lo = a[1] + (c & _M32)
-    return (a[0] + (c >> 32) + (lo >> 32)) & _M32, lo & _M32
-
-
-def _philox4x64_word0(counter: _Limbs, key: _Limbs) -> _Limbs:
-    """Word 0 of Philox4x64-10 for counter ``(counter, 0, 0, 0)`` and key ``(key, 0)``."""
-    m0, m1, w0, w1 = _PHILOX64
-    zero = torch.zeros_like(counter[1])
-    c0, c1, c2, c3 = counter, (zero, zero), (zero, zero), (zero, zero)
-    k0, k1 = key, (zero, zero)
-    for _ in range(10):
-        hi0, lo0 = _mulhilo64(c0, m0)
-        hi1, lo1 = _mulhilo64(c2, m1)
-        c0, c1, c2, c3 = _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
-        k0, k1 = _add64(k0, w0), _add64(k1, w1)
-    return c0
-
-
-def _split64(v: torch.Tensor) -> _Limbs:
-    """An int64 tensor as the limbs of its two's-complement bits."""
+def _split64(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int64 tensor as its two's-complement bits' (high, low) 32-bit words."""
     return (v >> 32) & _M32, v & _M32
-
-
-def _join64(limbs: _Limbs) -> torch.Tensor:
-    """Limbs as a signed int64 (the same bits) without overflowing: ``hi`` as a signed
-    32-bit value times ``2**32`` lies in ``[-2**63, 2**63 - 2**32]``."""
-    hi, lo = limbs
-    return torch.where(hi >= 1 << 31, hi - (1 << 32), hi) * (1 << 32) + lo
 
 
 def noise_stream_key(seed: torch.Tensor, position_offset: torch.Tensor) -> torch.Tensor:
@@ -193,10 +150,12 @@ def noise_stream_key(seed: torch.Tensor, position_offset: torch.Tensor) -> torch
     Returns
     -------
     int64 tensor, same shape
-        The bits of ``philox4x64_10((offset + d, 0, 0, 0), (seed, 0))[0]`` (the
-        reference's uint64 viewed as int64).
+        ``philox4x32_10((off & 0xffffffff, off >> 32, 0, 0), (seed & 0xffffffff,
+        seed >> 32))[0]``, in ``[0, 2**32)``.
     """
-    return _join64(_philox4x64_word0(_split64(position_offset), _split64(seed)))
+    off_hi, off_lo = _split64(position_offset)
+    seed_hi, seed_lo = _split64(seed)
+    return _philox4x32_word0(off_lo, seed_lo, seed_hi, off_hi)
 
 
 # -- the float definitions (layout.det_log, layout.det_exp2_frac) ------------------------
@@ -739,14 +698,13 @@ def row_params(
     def per_row(a: torch.Tensor) -> torch.Tensor:  # expand, no repeat_interleave (graphs)
         return a[:, None].expand(nreal, n).reshape(-1)
 
-    # offset + d in limbs: int64 wrap-around without a signed overflow
+    # offset + d in 32-bit words: int64 wrap-around without a signed overflow
     off_hi, off_lo = _split64(offset[real])
     d = torch.arange(n, dtype=torch.int64, device=dev)
     lo = off_lo[:, None] + d[None, :]
     hi = (off_hi[:, None] + (lo >> 32)) & _M32
-    keys = _join64(
-        _philox4x64_word0((hi.reshape(-1), (lo & _M32).reshape(-1)), _split64(per_row(seed[real])))
-    )
+    seed_hi, seed_lo = _split64(per_row(seed[real]))
+    keys = _philox4x32_word0((lo & _M32).reshape(-1), seed_lo, seed_hi, hi.reshape(-1))
     return RowParams(
         temperature=per_row(temp),
         top_k=per_row(k),

@@ -150,32 +150,10 @@ __device__ __forceinline__ bool dv_isfinite_d(double x) {
 }
 
 // -- the noise: layout.noise_stream_key, philox4x32_10, uniform_from_uint32 -----
-// Philox4x64-10, word 0, counter (c0, 0, 0, 0), key (k0, 0): Triton's tl.randint with
-// int64 seed and offset.
-__device__ __forceinline__ dv_u64 dv_philox64_w0(dv_u64 c0, dv_u64 k0) {
-  dv_u64 c1 = 0, c2 = 0, c3 = 0, k1 = 0;
-  const dv_u64 M0 = 0xD2E7470EE14C6C93ull, M1 = 0xCA5A826395121157ull;
-  for (int i = 0; i < 10; ++i) {
-    const dv_u64 hi0 = dv_mulhi64(c0, M0), lo0 = c0 * M0;
-    const dv_u64 hi1 = dv_mulhi64(c2, M1), lo1 = c2 * M1;
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-    k0 += 0x9E3779B97F4A7C15ull;
-    k1 += 0xBB67AE8584CAA73Bull;
-  }
-  return c0;
-}
-
-// The row's stream key: philox4x64_10((offset + d, 0, 0, 0), (seed, 0))[0].
-__device__ __forceinline__ dv_u64 dv_stream_key(const DvParams& p, unsigned d) {
-  return dv_philox64_w0((dv_u64)p.offset + (dv_u64)d, (dv_u64)p.seed);
-}
-
-// Philox4x32-10, word 0, counter (c0, 0, 0, 0), key (k0, k1).
-__device__ __forceinline__ unsigned dv_philox32_w0(unsigned c0, unsigned k0, unsigned k1) {
-  unsigned c1 = 0, c2 = 0, c3 = 0;
+// Philox4x32-10, word 0, counter (c0, c1, 0, 0), key (k0, k1).
+__device__ __forceinline__ unsigned dv_philox32_w0(unsigned c0, unsigned k0, unsigned k1,
+                                                   unsigned c1 = 0u) {
+  unsigned c2 = 0, c3 = 0;
   for (int i = 0; i < 10; ++i) {
     const dv_u64 p0 = (dv_u64)0xD2511F53u * c0;
     const dv_u64 p1 = (dv_u64)0xCD9E8D57u * c2;
@@ -187,6 +165,15 @@ __device__ __forceinline__ unsigned dv_philox32_w0(unsigned c0, unsigned k0, uns
     k1 += 0xBB67AE85u;
   }
   return c0;
+}
+
+// The row's stream key (layout.noise_stream_key, Triton's tl.randint(seed, offset + d)):
+// philox4x32_10((off & 0xffffffff, off >> 32, 0, 0), (seed & 0xffffffff, seed >> 32))[0],
+// a 32-bit value; the uniforms' key is (key, 0).
+__device__ __forceinline__ dv_u64 dv_stream_key(const DvParams& p, unsigned d) {
+  const dv_u64 off = (dv_u64)p.offset + (dv_u64)d, seed = (dv_u64)p.seed;
+  return dv_philox32_w0((unsigned)off, (unsigned)seed, (unsigned)(seed >> 32),
+                        (unsigned)(off >> 32));
 }
 
 // layout.det_log: the natural log of a positive normal double by fixed operations.

@@ -90,6 +90,12 @@ def test_points_bring_the_baselines_per_mix_once_each() -> None:
     only = bench.BenchConfig(tp=(2,), pad_bs=(8,), modes=("eager",), ops=(VERIFY,))
     ops = [p[0] for p in bench.points(only, bench.plan_launches(only, EIGHT_GPUS)[0], "auto")]
     assert list(dict.fromkeys(ops)) == [VERIFY, "swap_sample_gather", "read_once", ARGMAX]
+    # --verify-baselines picks some
+    some = bench.BenchConfig(**(vars(only) | {"verify_baselines": ("read_once", ARGMAX)}))
+    ops = [p[0] for p in bench.points(some, bench.plan_launches(some, EIGHT_GPUS)[0], "auto")]
+    assert list(dict.fromkeys(ops)) == [VERIFY, "read_once", ARGMAX]
+    with pytest.raises(ValueError, match="verify_baselines"):
+        bench.BenchConfig(ops=(VERIFY,), verify_baselines=("copy",))
 
 
 def test_bytes_are_the_records_of_the_mix() -> None:

@@ -11,6 +11,7 @@ min-p but no top-k take the swap path (``last_verify_path`` says which path ran)
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
@@ -89,10 +90,13 @@ def gpu_case(comm: Any, rank: int, tp: int, key: tuple[int, ...], case: Case) ->
     pad_bs = case.pad_bs
     shards, prm, bs_value, cand, want = _reference(key, case, tp, n, v, dtype)
     x, c = shards[rank].cuda(), torch.from_numpy(cand).cuda()
+    on_stream: Any = contextlib.nullcontext()
     if case.kind == "cupy":
         import cupy
 
         x, c = cupy.from_dlpack(x), cupy.from_dlpack(c)
+        # CuPy arrays run on CuPy's current stream: the rank thread's own one
+        on_stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
     def arg(a: Any) -> Any:
         if a is None or case.params_kind == "numpy":
@@ -105,15 +109,16 @@ def gpu_case(comm: Any, rank: int, tp: int, key: tuple[int, ...], case: Case) ->
     _settle(comm, "inputs")
     comm._backend.poison_for_testing()
     comm._group.barrier(timeout_s=60, what="poisoned")
-    outs = comm.verify_batch_vocab(
-        x,
-        c,
-        pad_bs=pad_bs,
-        vocab_limit=case.vocab_limit,
-        bs=bs_arg,
-        return_logprobs=case.return_logprobs,
-        **{k: arg(a) for k, a in prm.items()},
-    )
+    with on_stream:
+        outs = comm.verify_batch_vocab(
+            x,
+            c,
+            pad_bs=pad_bs,
+            vocab_limit=case.vocab_limit,
+            bs=bs_arg,
+            return_logprobs=case.return_logprobs,
+            **{k: arg(a) for k, a in prm.items()},
+        )
     _settle(comm, "verified")
     comm.check()
     what = f"{case} {dtype} tp={tp} N={n} V={v} rank={rank}"
@@ -263,12 +268,13 @@ def _mismatch_body(rank: int, tp: int, group: Any, what: str) -> str:
             if what == "candidates" and rank == tp - 1:
                 cand[0, 1] = 5
             kw = dict(seed=np.arange(pad_bs), offset=np.zeros(pad_bs, np.int64))
+            c = torch.from_numpy(cand).cuda()
             _settle(comm, "inputs")
-            comm.verify_batch_vocab(
-                x, torch.from_numpy(cand).cuda(), pad_bs=pad_bs, temperature=temp, **kw
-            )
-            torch.cuda.current_stream().synchronize()
+            # the owner's kernel reports the difference; the host raises it at the next
+            # issue (the call's own gathers, when the report is already visible) or check()
             try:
+                comm.verify_batch_vocab(x, c, pad_bs=pad_bs, temperature=temp, **kw)
+                torch.cuda.current_stream().synchronize()
                 comm.check()
             except DpSampleError as exc:
                 return str(exc)
@@ -385,7 +391,8 @@ def test_graph_replayed_50_times_with_new_device_parameters(tp: int) -> None:
 
 
 def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
-    """A refused value in a device parameter array raises at the next check()."""
+    """A refused value in a device parameter array raises at the call's gathers or the
+    next check()."""
     import torch
 
     torch.cuda.set_device(0)
@@ -410,9 +417,11 @@ def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
                 kw["top_k"][1] = 0  # top-p without top-k
             cand = torch.zeros((pad_bs, n), dtype=torch.int32, device="cuda")
             _settle(comm, "inputs")
-            comm.verify_batch_vocab(x, cand, pad_bs=pad_bs, **kw)
-            _settle(comm, "done")
+            # raised at the call's own gathers when the kernel's report is already
+            # visible to the host, else at check()
             try:
+                comm.verify_batch_vocab(x, cand, pad_bs=pad_bs, **kw)
+                torch.cuda.current_stream().synchronize()
                 comm.check()
             except DpSampleError as exc:
                 return str(exc)

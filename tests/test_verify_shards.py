@@ -326,7 +326,9 @@ def test_realistic_vocabulary_tp8_is_exact_and_mostly_decided_by_the_records() -
     _check(shards, cand, tp=tp, dtype="bfloat16", vocab_limit=v - 100, **params)
     rounds = _rounds(shards, cand, dtype="bfloat16", vocab_limit=v - 100, **params)
     assert (rounds[:-n] == 1).all()  # the peaked rows: the records alone decide
-    assert (rounds[-n:] == 2).all()  # the flat top-p rows: one round of probes
+    # the flat top-p rows: the records decide some (the noise's winner is clearly in
+    # or out of the nucleus), the others take one round of probes, never more
+    assert rounds[-n:].max() == 2 and (rounds[-n:] >= 1).all()
 
 
 def test_record_layout_is_the_documented_wire_format() -> None:

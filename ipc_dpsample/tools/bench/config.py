@@ -158,6 +158,8 @@ class BenchConfig:
     vocab_limit: int | None = None
     #: The parameter mixes ``verify_batch_vocab`` is measured with (one point each).
     verify_mixes: tuple[str, ...] = (DEMO_MIX,)
+    #: The baselines ``verify_batch_vocab`` brings (a subset of :data:`VERIFY_BASELINES`).
+    verify_baselines: tuple[str, ...] = VERIFY_BASELINES
 
     def bs_values(self, pad_bs: int) -> tuple[int, ...]:
         """The real batch sizes measured at ``pad_bs`` (``(pad_bs,)`` without ``--bs``)."""
@@ -193,6 +195,7 @@ class BenchConfig:
             ("ops", self.ops, OPS),
             ("baselines", self.baselines, BASELINES),
             ("verify_mixes", self.verify_mixes, VERIFY_MIXES),
+            ("verify_baselines", self.verify_baselines, VERIFY_BASELINES),
         ):
             bad = [v for v in values if v not in allowed]
             if bad:
@@ -339,7 +342,7 @@ def points(cfg: BenchConfig, lp: LaunchPlan, impl: str | None = None) -> list[Po
     for op in cfg.ops:
         ops += [op]
         ops += list(ARGMAX_BASELINES) if op == ARGMAX else []
-        ops += list(VERIFY_BASELINES) if op == VERIFY else []
+        ops += list(cfg.verify_baselines) if op == VERIFY else []
     ops = list(dict.fromkeys(ops))
     if impl is not None and impl not in BACKEND_CHOICES:
         ops = [op for op in ops if op in OPS and op != ARGMAX]

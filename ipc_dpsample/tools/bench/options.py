@@ -18,6 +18,7 @@ from .config import (
     DEFAULT_OPS,
     GPU_DEFAULTS,
     MODES,
+    VERIFY_BASELINES,
     BenchConfig,
 )
 
@@ -146,6 +147,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"and top-p 0.9 (default {DEMO_MIX}; issue 24's GPU targets are set for "
         f"{','.join(TARGET_MIXES)})",
     )
+    p.add_argument(
+        "--verify-baselines",
+        type=choice_list(VERIFY_BASELINES),
+        default=VERIFY_BASELINES,
+        help=f"the baselines {VERIFY} brings, from {{{','.join(VERIFY_BASELINES)}}} (default: all)",
+    )
     p.add_argument("--iters", type=int, default=50, help="timed samples per point (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per point (default 10)")
     p.add_argument(
@@ -231,4 +238,5 @@ def config_from_args(ns: argparse.Namespace, *, gpu_machine: bool) -> BenchConfi
         bs=tuple(ns.bs or ()),
         vocab_limit=ns.vocab_limit,
         verify_mixes=tuple(ns.verify_mix),
+        verify_baselines=tuple(ns.verify_baselines),
     )
