@@ -12,6 +12,7 @@ references; its ``verify_batch_vocab`` is unavailable, right or wrong)."""
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -366,3 +367,9 @@ def test_bench_cpu_verify_end_to_end(tmp_path: Path) -> None:
     ssg = [r for r in rows if r["op"] == "swap_sample_gather" and r["status"] == "ok"]
     assert len(ssg) == len(ok) and all(r["verified"] == "True" for r in ssg)
     assert all(float(r["vs_swap_sample_gather"]) > 0 and float(r["vs_read_once"]) > 0 for r in ok)
+    # each point's outcome is printed as it is measured (a run stopped later keeps it)
+    lines = [ln for ln in proc.stderr.splitlines() if "auto verify_batch_vocab [temperature]" in ln]
+    assert lines and all(
+        re.search(r"median [0-9.]+ us \[p10 [0-9.]+, p90 [0-9.]+\], n=5, checked", ln)
+        for ln in lines
+    ), lines

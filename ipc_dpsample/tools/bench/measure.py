@@ -107,6 +107,20 @@ def _time_gated(ctx: RankCtx, body: Callable[[], Any], calls: int) -> list[float
     )
 
 
+def point_summary(status: str, note: str, verified: bool | None, times: list[float]) -> str:
+    """One point's outcome for the progress line, printed as soon as it is measured
+    (a run stopped later still shows it): this rank's median and 10th-90th percentile
+    of the samples in microseconds, and whether the result was checked."""
+    if status != "ok" or not times:
+        return f"{status}{f' ({note})' if note else ''}"
+    import numpy as np
+
+    us = np.asarray(times, dtype=np.float64) * 1e6
+    p10, med, p90 = np.percentile(us, [10, 50, 90])
+    check = {True: "checked", False: "WRONG", None: "not checked"}[verified]
+    return f"median {med:.1f} us [p10 {p10:.1f}, p90 {p90:.1f}], n={len(us)}, {check}"
+
+
 def _progress(total: int, desc: str) -> Any:
     """tqdm on a terminal when it imports, else :class:`_SimpleBar`."""
     if sys.stderr.isatty():
@@ -217,8 +231,8 @@ def _bench_impl(
     try:
         for op, dtype, pad_bs, bs, mode, mix in pts:
             key = (impl, op, dtype, pad_bs, bs, mode, mix)
+            what = f"{impl} {op}{f' [{mix}]' if mix else ''} {dtype} pad_bs={pad_bs} bs={bs}"
             if bar is not None:
-                what = f"{impl} {op}{f' [{mix}]' if mix else ''} {dtype} pad_bs={pad_bs} bs={bs}"
                 bar.set_postfix_str(f"{what} {mode}")
             if mode in broken_modes:
                 info[key] = _info("failed", broken_modes[mode], None, runner.resolved)
@@ -231,6 +245,9 @@ def _bench_impl(
             info[key] = _info(status, note, verified, runner.resolved, bs_arg)
             samples.setdefault(key, [])
             if bar is not None:
+                bar.set_postfix_str(
+                    f"{what} {mode}: {point_summary(status, note, verified, samples[key])}"
+                )
                 bar.update()
     finally:
         ctx.keep = None
