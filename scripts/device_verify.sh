@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# verify_batch_vocab on the GPU (issue 24): the one-sided tests and the benchmarks of
-# the issue, each step with its own time limit (environment T_<STEP> seconds, 0 skips
-# it); logs land in $OUT. Run from the repository root on the device machine:
+# verify_batch_vocab on the GPU (issue 24): the one-sided tests, the Triton parity test
+# and the benchmarks of the issue, in order of importance, each step under its own time
+# limit and all of them before DEADLINE seconds (default 540); logs land in $OUT.
+# Run from the repository root on the device machine:
 #     OUT=out bash scripts/device_verify.sh
 # or from a clean export carried to it (uncommitted work stays behind):
 #     git archive HEAD | tar -x -C .devtree && git rev-parse --short HEAD > .devtree/COMMIT
+# The swap + sampler + gather baseline is the package's torch sampler, launched from 8
+# Python threads: seconds per call at pad_bs=256, so it runs last, on few samples.
 set -u
 # shellcheck source=scripts/device_steps.sh
 . "$(dirname "$0")/device_steps.sh"
 py=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rfE --tb=short)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
 echo "commit $GIT_COMMIT" >> "$out/misc.log"
-STEP_SIGNAL=ABRT step "${T_VTEST:-300}" "$out/verify.log" "${py[@]}" tests/test_verify_onesided_gpu.py ${VTEST_K:+-k "$VTEST_K"}
-bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters "${BENCH_ITERS:-10}" --ops verify_batch_vocab)
-STEP_SIGNAL=ABRT step "${T_VBENCH:-200}" "$out/vbench.log" "${bench[@]}" --pad-bs 256 --dtype "${BENCH_DTYPES:-fp32,bf16}" --mode eager --verify-mix "${BENCH_MIXES:-temperature,topk50,topk50-topp0.9}" --out /tmp/vb256
-STEP_SIGNAL=ABRT step "${T_VBENCH8:-100}" "$out/vbench.log" "${bench[@]}" --pad-bs 8 --dtype fp32 --mode eager,graph --verify-mix temperature,topk50 --out /tmp/vb8
-for d in /tmp/vb256 /tmp/vb8; do for f in "$d"/*.md; do [ -f "$f" ] && cp "$f" "$out/$(basename "$d")-$(basename "$f")"; done; done
+end=${DEADLINE:-540}
+lim() {  # lim SECONDS: SECONDS, or what is left before the deadline (0: skip)
+  local l=$((end - SECONDS))
+  [ "$l" -gt "$1" ] && l=$1
+  [ "$l" -lt 5 ] && l=0
+  echo "$l"
+}
+f=tests/test_verify_onesided_gpu.py
+STEP_SIGNAL=ABRT step "$(lim 40)" "$out/tests.log" "${py[@]}" -s tests/test_triton_parity_gpu.py
+STEP_SIGNAL=ABRT step "$(lim 180)" "$out/threads.log" "${py[@]}" --durations=0 $f -k rank_threads
+STEP_SIGNAL=ABRT step "$(lim 40)" "$out/tests.log" "${py[@]}" $f -k "different_arguments or refused"
+bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters "${BENCH_ITERS:-10}" --warmup 3 --ops verify_batch_vocab)
+STEP_SIGNAL=ABRT step "$(lim 90)" "$out/bench.log" "${bench[@]}" --verify-baselines read_once,argmax_batch_vocab --pad-bs 256 --dtype fp32,bf16 --mode eager --verify-mix temperature,topk50,topk50-topp0.9 --out /tmp/b256
+STEP_SIGNAL=ABRT step "$(lim 40)" "$out/bench.log" "${bench[@]}" --verify-baselines argmax_batch_vocab --pad-bs 8 --dtype fp32 --mode graph --verify-mix temperature,topk50 --out /tmp/b8
+STEP_SIGNAL=ABRT step "$(lim 60)" "$out/tests.log" "${py[@]}" $f -k "processes or real_vocabulary or graph_replayed"
+STEP_SIGNAL=ABRT step "$(lim 200)" "$out/bench.log" "${bench[@]}" --iters 3 --warmup 1 --verify-baselines swap_sample_gather --pad-bs 256 --dtype fp32 --mode eager --verify-mix temperature,topk50,topk50-topp0.9 --out /tmp/bsw
+for d in /tmp/b256 /tmp/b8 /tmp/bsw; do [ -f "$d/bench.csv" ] && cp "$d/bench.csv" "$out/$(basename "$d").csv"; done
 exit 0

@@ -412,7 +412,7 @@ def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
                 "offset": torch.zeros(pad_bs, dtype=torch.int64, device="cuda"),
             }
             if field == "top_k":
-                kw["top_k"][1] = 500
+                kw["top_k"][1] = 200  # 129 .. vocab_limit - 1 (400 and above mean off)
             else:
                 kw["top_k"][1] = 0  # top-p without top-k
             cand = torch.zeros((pad_bs, n), dtype=torch.int32, device="cuda")
@@ -432,4 +432,4 @@ def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
 def test_refused_device_values_raise_on_every_rank(field: str) -> None:
     out = run_threads(2, _value_body, field, timeout_s=120)
     for text in out:
-        assert "top_k[1]=500" in text if field == "top_k" else "top_p / min_p[1]=0.9" in text
+        assert "top_k[1]=200" in text if field == "top_k" else "top_p / min_p[1]=0.9" in text
