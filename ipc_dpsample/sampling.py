@@ -809,6 +809,7 @@ def verify_rows(
     return_logprobs: bool = False,
     plan: SamplePlan | None = None,
     check: bool = True,
+    chunk_elems: int = CHUNK_ELEMS,
 ) -> tuple[torch.Tensor, ...]:
     """Sampled verify of full rows: ``verify_batch_vocab``'s results for these requests.
 
@@ -838,6 +839,9 @@ def verify_rows(
         See :func:`sample_rows`.
     check : bool
         See :func:`row_params`. ``check=False`` with a ``plan``: no host sync at all.
+    chunk_elems : int
+        See :func:`sample_rows` (the results do not depend on it; larger chunks launch
+        fewer kernels and hold larger temporaries).
 
     Returns
     -------
@@ -874,7 +878,9 @@ def verify_rows(
     )
     nreal = g if bs is None else int(bs)
     x = rows[: nreal * n]
-    tokens = sample_rows(x, **params._asdict(), vocab_limit=limit, plan=plan)
+    tokens = sample_rows(
+        x, **params._asdict(), vocab_limit=limit, plan=plan, chunk_elems=chunk_elems
+    )
     sampled = torch.zeros((g, n), dtype=torch.int32, device=rows.device)
     sampled[:nreal] = tokens.view(nreal, n)
     predict, accept_index, accept_length = accept_chain(candidates, sampled, per_rank)

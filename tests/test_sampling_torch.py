@@ -8,6 +8,8 @@ ignored min-p; the sync-free path on ``meta`` tensors (no host read possible).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -507,7 +509,9 @@ def test_verify_rows_matches_reference_per_rank(dtype, tp, pad_bs, n, bs, mode) 
         real = L.real_reqs(r, bs, rank)
         reqs = slice(rank * r, (rank + 1) * r)
         mine = {k: val[reqs] for k, val in t_args.items()}
-        for plan in (None, S.SamplePlan()):
+        # the host-planned path with its default chunks and with one row per chunk
+        # (chunk_elems passes through to sample_rows), the graph-safe plan
+        for plan, chunk in ((None, S.CHUNK_ELEMS), (None, 1), (S.SamplePlan(), S.CHUNK_ELEMS)):
             got = S.verify_rows(
                 x[rank * r * n : (rank + 1) * r * n],
                 torch.from_numpy(cand[reqs]),
@@ -518,6 +522,7 @@ def test_verify_rows_matches_reference_per_rank(dtype, tp, pad_bs, n, bs, mode) 
                 return_logprobs=True,
                 plan=plan,
                 check=plan is None,
+                chunk_elems=chunk,
             )
             for name, a, b in zip(
                 ("predict", "accept_index", "accept_length"), got[:3], want[:3], strict=True
@@ -629,3 +634,20 @@ def test_sample_rows_and_verify_rows_input_errors() -> None:
         S.verify_rows(x, cand, **_req(), reqs_per_rank=3)
     with pytest.raises(TypeError, match="candidates must be an int32 or int64"):
         S.verify_rows(x, cand.float(), **_req())
+
+
+def test_verify_rows_passes_its_chunk_size_to_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = S.sample_rows
+
+    def spy(*a: Any, **k: Any) -> torch.Tensor:
+        seen.append(k["chunk_elems"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(S, "sample_rows", spy)
+    x, cand = torch.randn(4, 10), torch.zeros(2, 2, dtype=torch.int32)
+    S.verify_rows(x, cand, **_req())
+    S.verify_rows(x, cand, **_req(), chunk_elems=30)
+    assert seen == [S.CHUNK_ELEMS, 30]
+    with pytest.raises(ValueError, match="chunk_elems=0; expected >= 1"):
+        S.verify_rows(x, cand, **_req(), chunk_elems=0)

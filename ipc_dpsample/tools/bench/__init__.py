@@ -21,8 +21,9 @@ same run, the baselines:
     ``verify_batch_vocab`` (``--ops verify_batch_vocab``, one point per
     ``--verify-mix``) against TokenSpeed's Batch-DP route with the package's
     full-row sampler of the same semantics: the backend's swap,
-    ``ipc_dpsample.sampling.verify_rows`` over the rank's swapped rows, the backend's
-    ``gather_verify_outputs``. Both are checked against
+    ``ipc_dpsample.sampling.verify_rows`` over the rank's swapped rows (on a GPU in
+    chunks of ``runners.SAMPLER_CHUNK_ELEMS_GPU`` elements: fewer launches than its
+    default), the backend's ``gather_verify_outputs``. Both are checked against
     ``layout.reference_verify_batch_vocab`` (predict, accept_index, accept_length bit
     for bit) on the inputs they are timed with: fresh random logits, the mix's
     parameters and candidates that accept 0 to N-1 drafts
