@@ -356,3 +356,31 @@ def test_onesided_device_parameters_beyond_the_kernels_limits_raise(
             x, xi, cand, ci, pad_bs=2 * tp, params=params, return_logprobs=False,
             bs=RealRows.every(2 * tp), stream=None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("after_verify", [False, True])
+def test_onesided_timeout_after_a_verify_names_the_argument_check(after_verify: bool) -> None:
+    """A peer that found different arguments skips the verify's gathers; the ranks that
+    wait for it time out, and their error says where to look (built without CUDA)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from ipc_dpsample.backends.onesided import backend as onesided
+    from ipc_dpsample.backends.onesided.contract import ERR_TIMEOUT, DpErrorBlock, pack_signature
+    from ipc_dpsample.errors import PeerTimeoutError
+    from ipc_dpsample.protocol import Dtype, Op
+
+    backend = onesided.OnesidedBackend.__new__(onesided.OnesidedBackend)
+    backend.cfg = SimpleNamespace(num_tokens_per_req=2, timeout_s=5.0)  # type: ignore[assignment]
+    block = DpErrorBlock()
+    backend._err, backend._err_code = block, ctypes.c_uint32.from_buffer(block)
+    backend._error, backend._threads, backend._verify_last = None, False, after_verify
+    block.rank, block.peer, block.expected = 1, 0, 2
+    block.mine = pack_signature(Op.GATHER_OUTPUTS, Dtype.INT32, 4) | 4
+    block.code = ERR_TIMEOUT
+    with pytest.raises(PeerTimeoutError, match="rank 1: peer rank 0 did not take part") as info:
+        backend.check()
+    hint = "The last op issued here was verify_batch_vocab"
+    assert (hint in str(info.value)) == after_verify
+    if after_verify:
+        assert str(info.value).endswith("see rank 0's error")

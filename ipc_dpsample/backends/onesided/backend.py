@@ -199,6 +199,8 @@ class OnesidedBackend(Backend):
         self._verify_bufs: Any = None  # this rank's results and host parameters (below)
         #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
         self.last_verify_path = ""
+        #: the last op issued was verify_batch_vocab on its kernels (check()'s hint)
+        self._verify_last = False
         # ranks that are threads of one process must not share a stream
         claim = getattr(group, "claim_stream", None) if cfg.tp_size > 1 else None
         self._threads = claim is not None
@@ -240,6 +242,7 @@ class OnesidedBackend(Backend):
         capturing = self._guard.begin(handle)
         if capturing:
             self._graphed = True
+        self._verify_last = False
         return capturing
 
     def _issue(
@@ -587,6 +590,7 @@ class OnesidedBackend(Backend):
         if return_logprobs:
             self._gather(1, (int(lp.data.ptr), 0, 0), linfo, pad_bs, bs, stream)
             specs.append((base + lay.out_off("logprobs"), (pad_bs, n), "float32"))
+        self._verify_last = True
         key = ("verify", pad_bs, return_logprobs)
         return self._views.get_many(info.kind, key, specs)  # type: ignore[return-value]
 
@@ -620,6 +624,13 @@ class OnesidedBackend(Backend):
                 if self._threads
                 else ""
             )
+            if self._verify_last:
+                hint += (
+                    ". The last op issued here was verify_batch_vocab: a rank that finds "
+                    "that the ranks passed it different arguments (parameters, candidates, "
+                    "vocab_limit, bs, return_logprobs) raises that and skips the gathers, "
+                    f"which its peers then wait for; see rank {e.peer}'s error"
+                )
             self._error = PeerTimeoutError(
                 f"rank {e.rank}: peer rank {e.peer} did not take part in {mine.describe()} "
                 f"(epoch {e.expected}) within {self.cfg.timeout_s:g} s; last word seen from it: "
