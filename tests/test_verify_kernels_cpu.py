@@ -28,6 +28,7 @@ from ipc_dpsample.backends.verify_plan import (
     kernel_path_refusal,
     list_cap,
     pack_params,
+    param_bytes,
     param_offsets,
     record_words,
 )
@@ -155,6 +156,7 @@ def run_kernels(
         )  # fmt: skip
         assert kernel_path_refusal(params, tp) is None
         packed = pack_params(params)
+        assert packed.nbytes == param_bytes(pad_bs)  # the device buffers' size
         keep.append(packed)
         return [_addr(packed) + off for off in param_offsets(pad_bs)]
 

@@ -249,6 +249,21 @@ def test_verify_across_processes_sharing_one_gpu(tp: int) -> None:
     assert out == [2] * tp
 
 
+def _error_of(comm: Any, call: Any) -> str:
+    """The text of the DpSampleError that ``call`` leads to, or "no error". A kernel's
+    report reaches the host at its next issue (the call's own gathers, when the report
+    is already visible) or at check() after the stream drains."""
+    import torch
+
+    try:
+        call()
+        torch.cuda.current_stream().synchronize()
+        comm.check()
+    except DpSampleError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _mismatch_body(rank: int, tp: int, group: Any, what: str) -> str:
     import torch
 
@@ -270,15 +285,9 @@ def _mismatch_body(rank: int, tp: int, group: Any, what: str) -> str:
             kw = dict(seed=np.arange(pad_bs), offset=np.zeros(pad_bs, np.int64))
             c = torch.from_numpy(cand).cuda()
             _settle(comm, "inputs")
-            # the owner's kernel reports the difference; the host raises it at the next
-            # issue (the call's own gathers, when the report is already visible) or check()
-            try:
-                comm.verify_batch_vocab(x, c, pad_bs=pad_bs, temperature=temp, **kw)
-                torch.cuda.current_stream().synchronize()
-                comm.check()
-            except DpSampleError as exc:
-                return str(exc)
-            return "no error"
+            return _error_of(
+                comm, lambda: comm.verify_batch_vocab(x, c, pad_bs=pad_bs, temperature=temp, **kw)
+            )
 
 
 @pytest.mark.parametrize("what", ["temperature", "candidates"])
@@ -422,15 +431,7 @@ def _value_body(rank: int, tp: int, group: Any, field: str) -> str:
                 kw["top_k"][1] = 0  # top-p without top-k
             cand = torch.zeros((pad_bs, n), dtype=torch.int32, device="cuda")
             _settle(comm, "inputs")
-            # raised at the call's own gathers when the kernel's report is already
-            # visible to the host, else at check()
-            try:
-                comm.verify_batch_vocab(x, cand, pad_bs=pad_bs, **kw)
-                torch.cuda.current_stream().synchronize()
-                comm.check()
-            except DpSampleError as exc:
-                return str(exc)
-            return "no error"
+            return _error_of(comm, lambda: comm.verify_batch_vocab(x, cand, pad_bs=pad_bs, **kw))
 
 
 @pytest.mark.parametrize("field", ["top_k", "needs_top_k"])

@@ -26,6 +26,7 @@ __all__ = [
     "kernel_path_refusal",
     "list_cap",
     "pack_params",
+    "param_bytes",
     "param_offsets",
     "record_words",
 ]
@@ -100,13 +101,17 @@ def param_offsets(pad_bs: int) -> tuple[int, ...]:
     return tuple(offs)
 
 
+def param_bytes(pad_bs: int) -> int:
+    """Bytes of :func:`pack_params`' buffer for ``pad_bs`` requests."""
+    return param_offsets(pad_bs)[-1] + pad_bs * PARAM_FIELDS[-1][1].itemsize
+
+
 def pack_params(params: VerifyParams) -> np.ndarray:
     """The normalised parameters as one uint8 buffer: the six ``[pad_bs]`` arrays of
     :data:`PARAM_FIELDS` at :func:`param_offsets` (phantom requests neutral)."""
     pad = params.pad_bs
     offs = param_offsets(pad)
-    last = PARAM_FIELDS[-1][1]
-    out = np.zeros(offs[-1] + pad * last.itemsize, np.uint8)
+    out = np.zeros(param_bytes(pad), np.uint8)
     for (name, dt), off in zip(PARAM_FIELDS, offs, strict=True):
         out[off : off + pad * dt.itemsize] = np.asarray(getattr(params, name), dt).view(np.uint8)
     return out

@@ -21,7 +21,7 @@ from ...group import HostGroup
 from ...identity import gpu_uuid
 from ...layout import TOP_K_MAX
 from ..common import InFlightGuard, ViewCache
-from ..verify_plan import PARAM_FIELDS, param_offsets, record_words
+from ..verify_plan import param_bytes, record_words
 from .geometry import (
     ARGMAX_KERNEL_NAMES,
     ARGMAX_SOURCE,
@@ -191,7 +191,7 @@ class NcclSetup:
             self._alloc("vrecv", tp * rmax * n * rec_bytes)
         self._alloc(
             "vparams",
-            param_offsets(cfg.max_pad_bs)[-1] + cfg.max_pad_bs * PARAM_FIELDS[-1][1].itemsize,
+            param_bytes(cfg.max_pad_bs),
         )
         self._alloc("vpredict", rmax * n * 4)  # int32 [R, N]
         self._alloc("vaccept_index", rmax * n * 4)  # int32 [R, N]

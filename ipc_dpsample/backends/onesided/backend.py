@@ -51,6 +51,7 @@ from ..verify_plan import (
     kernel_path_refusal,
     list_cap,
     pack_params,
+    param_bytes,
     param_offsets,
 )
 from ..verify_swap import verify_by_swap
@@ -459,7 +460,7 @@ class OnesidedBackend(Backend):
                     cupy.empty((r, n), cupy.int32),
                     cupy.empty(r, cupy.int32),
                     cupy.empty((r, n), cupy.float32),
-                    cupy.empty(param_offsets(cfg.max_pad_bs)[-1] + 8 * cfg.max_pad_bs, cupy.uint8),
+                    cupy.empty(param_bytes(cfg.max_pad_bs), cupy.uint8),
                 )
         return self._verify_bufs
 
