@@ -2,13 +2,13 @@
 # verify_batch_vocab on the GPU (issue 24): the one-sided tests, the Triton parity test
 # and the benchmarks of the issue, in order of importance, each step under its own time
 # limit and all of them before DEADLINE seconds (default 540); logs land in $OUT.
-# STEPS picks some (default: triton threads errors b256 b8 tests swap).
+# STEPS picks some (default: all, in this order: triton threads errors b256 b8 swap tests).
 # Run from the repository root on the device machine:
 #     OUT=out bash scripts/device_verify.sh
 # or from a clean export carried to it (uncommitted work stays behind):
 #     git archive HEAD | tar -x -C .devtree && git rev-parse --short HEAD > .devtree/COMMIT
 # The swap + sampler + gather baseline is the package's torch sampler, launched from 8
-# Python threads: seconds per call at pad_bs=256, so it runs last, on few samples.
+# Python threads: seconds per call at pad_bs=256, so it runs late, on few samples.
 set -u
 # shellcheck source=scripts/device_steps.sh
 . "$(dirname "$0")/device_steps.sh"
@@ -16,7 +16,7 @@ py=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -W ignore::Deprecat
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/misc.log"
 echo "commit $GIT_COMMIT" >> "$out/misc.log"
 end=${DEADLINE:-540}
-steps=" ${STEPS:-triton threads errors b256 b8 tests swap} "
+steps=" ${STEPS:-triton threads errors b256 b8 swap tests} "
 lim() {  # lim NAME SECONDS: SECONDS, or what is left before the deadline (0: skip)
   case "$steps" in *" $1 "*) ;; *) echo 0; return ;; esac
   local l=$((end - SECONDS))
@@ -31,7 +31,7 @@ STEP_SIGNAL=ABRT step "$(lim errors 40)" "$out/tests.log" "${py[@]}" $f -k "diff
 bench=(python3 -X faulthandler -m ipc_dpsample bench --gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters "${BENCH_ITERS:-10}" --warmup 3 --ops verify_batch_vocab)
 STEP_SIGNAL=ABRT step "$(lim b256 90)" "$out/bench.log" "${bench[@]}" --verify-baselines read_once,argmax_batch_vocab --pad-bs 256 --dtype fp32,bf16 --mode eager --verify-mix temperature,topk50,topk50-topp0.9 --out /tmp/b256
 STEP_SIGNAL=ABRT step "$(lim b8 40)" "$out/bench.log" "${bench[@]}" --verify-baselines argmax_batch_vocab --pad-bs 8 --dtype fp32 --mode graph --verify-mix temperature,topk50 --out /tmp/b8
+STEP_SIGNAL=ABRT step "$(lim swap 180)" "$out/bench.log" "${bench[@]}" --iters 3 --warmup 1 --verify-baselines swap_sample_gather --pad-bs 256 --dtype fp32 --mode eager --verify-mix temperature,topk50,topk50-topp0.9 --out /tmp/bsw
 STEP_SIGNAL=ABRT step "$(lim tests 60)" "$out/tests.log" "${py[@]}" $f -k "processes or real_vocabulary or graph_replayed"
-STEP_SIGNAL=ABRT step "$(lim swap 200)" "$out/bench.log" "${bench[@]}" --iters 3 --warmup 1 --verify-baselines swap_sample_gather --pad-bs 256 --dtype fp32 --mode eager --verify-mix temperature,topk50,topk50-topp0.9 --out /tmp/bsw
 for d in /tmp/b256 /tmp/b8 /tmp/bsw; do [ -f "$d/bench.csv" ] && cp "$d/bench.csv" "$out/$(basename "$d").csv"; done
 exit 0
