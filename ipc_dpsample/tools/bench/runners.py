@@ -435,8 +435,11 @@ class CommRunner(Runner):
         )
         plan = plan_rows(rows.top_k, rows.top_p, rows.greedy)  # no host sync when timed
         sample: dict[str, Any] = {
-            "reqs_per_rank": rq, "vocab_limit": cfg.limit, "bs": real, "plan": plan
-        }  # fmt: skip
+            "reqs_per_rank": rq,
+            "vocab_limit": cfg.limit,
+            "bs": real,
+            "plan": plan,
+        }
         if exp.is_cuda:
             sample["chunk_elems"] = SAMPLER_CHUNK_ELEMS_GPU
         # load the sampler's kernels now, locally: loaded lazily behind a spinning swap
