@@ -466,12 +466,12 @@ __device__ void dp_report_value(const DpDesc& d, u32 req, u32 why, u32 bits, u32
   __threadfence_system();
 }
 
-template <typename Tag>
+template <typename Tag, bool kList>
 __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
                                                  u32 digest, u32 real_rows, u32 rpd, u32 ncols,
                                                  u32 limit, u64 region, u32 sig,
-                                                 DvRecordShared& sh) {
+                                                 DvRowShared& rs, DvRecordShared* ls) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
   const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
@@ -483,17 +483,20 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
     const DvParams p = dv_load_params(q, req, limit, &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
     unsigned* rec = (unsigned*)(peers[dest] + region) + ((u64)d.rank * rpd + i) * rec_words;
-    dv_row_record<Tag>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0, p,
-                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, sh);
+    dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0, p,
+                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs, ls);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(DV_BLOCK)
-    dp_verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
-                   u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
-                   u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
-                   i64 dtype_code, u64 sig, u64 region_off, i64 region_bytes) {
-  __shared__ DvRecordShared sh;
+template <bool kList>
+__device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature,
+                                            u64 top_k, u64 top_p, u64 min_p, u64 seed,
+                                            u64 offset, i64 kcap, i64 want_lp, i64 digest,
+                                            u64 bs_ptr, i64 bs_host, const DpDesc& d,
+                                            i64 pad_bs, i64 ncols, i64 vocab_limit,
+                                            i64 dtype_code, u64 sig, u64 region_off,
+                                            i64 region_bytes, DvRowShared& rs,
+                                            DvRecordShared* ls) {
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
   const u32 e = s.e, parity = s.parity, full_sig = s.sig;
@@ -507,14 +510,14 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
   const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
-    verify_push_rows<ArgmaxBf16>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim,
-                                 region, full_sig, sh);
+    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim,
+                                 region, full_sig, rs, ls);
   else if (dtype_code == 2)
-    verify_push_rows<ArgmaxF16>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
-                                full_sig, sh);
+    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+                                full_sig, rs, ls);
   else
-    verify_push_rows<ArgmaxF32>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
-                                full_sig, sh);
+    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+                                full_sig, rs, ls);
 
   __shared__ u32 last;
   __syncthreads();
@@ -542,6 +545,31 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
     ctrl[DP_CTRL_COUNTER] = 0;
     ctrl[DP_CTRL_EPOCH] = e;
   }
+}
+
+// kcap > 0: with the top-k selection's shared memory.
+extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
+    dp_verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
+                   u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
+                   u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
+                   i64 dtype_code, u64 sig, u64 region_off, i64 region_bytes) {
+  __shared__ DvRecordShared sh;
+  verify_push<true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
+                    want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit, dtype_code,
+                    sig, region_off, region_bytes, sh.row, &sh);
+}
+
+// kcap == 0 (no row has top-k): the same, with a few KB of shared memory per CTA.
+extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
+    dp_verify_push_nolist(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
+                          u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,
+                          i64 digest, u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
+                          i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
+                          i64 region_bytes) {
+  __shared__ DvRowShared sh;
+  verify_push<false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
+                     want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit,
+                     dtype_code, sig, region_off, region_bytes, sh, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

@@ -23,6 +23,10 @@
 //     err_value  u32: (DV_BAD_* << 24) | request of the first refused parameter (0: none)
 //     launch     block DV_BLOCK, any grid (grid-stride over rows)
 //
+//   dp_verify_records_nolist(the same arguments)
+//     the same records when kcap == 0 (no row has top-k), with a few KB of shared
+//     memory per CTA instead of the top-k selection's ~38 KB (more CTAs per SM)
+//
 //   dp_verify_combine(u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
 //                     u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
 //                     u64 bs_ptr, i64 bs_host, u64 recs, i64 tp, i64 reqs, i64 n,
@@ -44,12 +48,13 @@ __device__ __forceinline__ i64 dv_bs(u64 bs_ptr, i64 bs_host) {
   return bs_ptr != 0 ? static_cast<i64>(*reinterpret_cast<const int*>(bs_ptr)) : bs_host;
 }
 
-template <typename Tag>
+template <typename Tag, bool kList>
 __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const DvParamPtrs& q,
                                                 unsigned kcap, bool want_lp, unsigned digest,
                                                 i64 real_rows, i64 ncols, i64 col0,
                                                 i64 vocab_limit, i64 n, u64 out_words,
-                                                unsigned* err_value, DvRecordShared& sh) {
+                                                unsigned* err_value, DvRowShared& rs,
+                                                DvRecordShared* ls) {
   typedef typename Tag::Storage S;
   i64 limit = vocab_limit - col0;
   limit = limit < 0 ? 0 : (limit > ncols ? ncols : limit);
@@ -62,18 +67,20 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
                                       static_cast<unsigned>(vocab_limit), &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) atomicCAS(err_value, 0u, (bad << 24) | static_cast<unsigned>(req));
     unsigned* rec = reinterpret_cast<unsigned*>(out_words) + g * rec_words;
-    dv_row_record<Tag>(reinterpret_cast<const S*>(src) + g * ncols, static_cast<unsigned>(limit),
+    dv_row_record<Tag, kList>(reinterpret_cast<const S*>(src) + g * ncols, static_cast<unsigned>(limit),
                        static_cast<unsigned>(col0), p, d, kcap, want_lp,
-                       static_cast<unsigned>(cand[g]), dg, rec, sh);
+                       static_cast<unsigned>(cand[g]), dg, rec, rs, ls);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(DV_BLOCK)
-    dp_verify_records(u64 src, u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
-                      u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
-                      i64 bs_host, i64 rows, i64 ncols, i64 col0, i64 vocab_limit,
-                      i64 dtype_code, i64 n, u64 out_words, u64 err_value) {
-  __shared__ DvRecordShared sh;
+template <bool kList>
+__device__ __forceinline__ void dv_records(u64 src, u64 cand, u64 temperature, u64 top_k,
+                                           u64 top_p, u64 min_p, u64 seed, u64 offset,
+                                           i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
+                                           i64 bs_host, i64 rows, i64 ncols, i64 col0,
+                                           i64 vocab_limit, i64 dtype_code, i64 n,
+                                           u64 out_words, u64 err_value, DvRowShared& rs,
+                                           DvRecordShared* ls) {
   i64 bs = dv_bs(bs_ptr, bs_host);
   if (bs < 0) bs = 0;
   const i64 real_rows = bs * n < rows ? bs * n : rows;
@@ -82,14 +89,37 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
   const unsigned kc = static_cast<unsigned>(kcap), dg = static_cast<unsigned>(digest);
   unsigned* ev = reinterpret_cast<unsigned*>(err_value);
   if (dtype_code == ArgmaxBf16::kCode)
-    dv_records_rows<ArgmaxBf16>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                vocab_limit, n, out_words, ev, sh);
+    dv_records_rows<ArgmaxBf16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                       vocab_limit, n, out_words, ev, rs, ls);
   else if (dtype_code == ArgmaxF16::kCode)
-    dv_records_rows<ArgmaxF16>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                               vocab_limit, n, out_words, ev, sh);
+    dv_records_rows<ArgmaxF16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                      vocab_limit, n, out_words, ev, rs, ls);
   else if (dtype_code == ArgmaxF32::kCode)
-    dv_records_rows<ArgmaxF32>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                               vocab_limit, n, out_words, ev, sh);
+    dv_records_rows<ArgmaxF32, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                      vocab_limit, n, out_words, ev, rs, ls);
+}
+
+extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
+    dp_verify_records(u64 src, u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
+                      u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
+                      i64 bs_host, i64 rows, i64 ncols, i64 col0, i64 vocab_limit,
+                      i64 dtype_code, i64 n, u64 out_words, u64 err_value) {
+  __shared__ DvRecordShared sh;
+  dv_records<true>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
+                   digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
+                   out_words, err_value, sh.row, &sh);
+}
+
+extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
+    dp_verify_records_nolist(u64 src, u64 cand, u64 temperature, u64 top_k, u64 top_p,
+                             u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,
+                             i64 digest, u64 bs_ptr, i64 bs_host, i64 rows, i64 ncols,
+                             i64 col0, i64 vocab_limit, i64 dtype_code, i64 n, u64 out_words,
+                             u64 err_value) {
+  __shared__ DvRowShared sh;
+  dv_records<false>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
+                    digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
+                    out_words, err_value, sh, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

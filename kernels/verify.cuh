@@ -51,6 +51,14 @@
 #ifndef DV_BLOCK
 #define DV_BLOCK 256  // threads per CTA of the record and combine kernels (a power of 2)
 #endif
+// CTAs per SM the record kernels ask the register allocator for (__launch_bounds__): with
+// the top-k selection's ~38 KB of shared memory, and without (a few KB).
+#ifndef DV_LIST_MIN_CTAS
+#define DV_LIST_MIN_CTAS 3
+#endif
+#ifndef DV_NOLIST_MIN_CTAS
+#define DV_NOLIST_MIN_CTAS 3
+#endif
 #define DV_TOPK_MAX 128
 #define DV_HDR 12
 #define DV_REC_MAX (DV_HDR + 2 * DV_TOPK_MAX)
@@ -234,8 +242,15 @@ __device__ __forceinline__ float dv_uniform(unsigned x) {
   return u < 1e-7f ? 1e-7f : u;
 }
 
-// float32(-det_log(-det_log(u))): the Gumbel noise of a uniform.
-__device__ __forceinline__ float dv_gumbel(float u) {
+// float32(-det_log(-det_log(u))): the Gumbel noise of a uniform. Not inlined on the
+// device: the record kernels call it for the few columns that may win, and its float64
+// polynomials would otherwise hold registers across their streaming loops.
+#ifdef DP_ARGMAX_CPU_EMULATION
+#define DV_NOINLINE
+#else
+#define DV_NOINLINE __noinline__
+#endif
+__device__ DV_NOINLINE float dv_gumbel(float u) {
   const double a = dv_det_log((double)u);  // < 0
   return (float)(-dv_det_log(-a));
 }
@@ -373,77 +388,99 @@ __device__ __forceinline__ bool dv_better(float av, unsigned aid, float bv, unsi
 }
 
 // -- block helpers (blockDim.x a power of 2, <= DV_BLOCK) --------------------------
+// Warp shuffles within each warp, then one shared slot per warp: two barriers per call.
+// Every thread of the block calls them (the warp intrinsics name the whole warp).
+#define DV_WARPS (DV_BLOCK / 32)
+#define DV_FULL 0xFFFFFFFFu
 struct DvShared {
-  float f[DV_BLOCK];
-  float f2[DV_BLOCK];
-  unsigned u[DV_BLOCK];
-  unsigned u2[DV_BLOCK];
-  double d[DV_BLOCK];
+  float f[DV_WARPS];
+  float f2[DV_WARPS];
+  unsigned u[DV_WARPS];
+  unsigned u2[DV_WARPS];
+  double d[DV_WARPS];
 };
+
+// Threads of this thread's warp (32, or fewer when the block is smaller).
+__device__ __forceinline__ unsigned dv_warp_width() {
+  const unsigned base = threadIdx.x & ~31u;
+  return blockDim.x - base < 32u ? blockDim.x - base : 32u;
+}
+
+__device__ __forceinline__ unsigned dv_nwarps() { return (blockDim.x + 31u) / 32u; }
 
 // (value desc, id asc) best over the block; carries a second float.
 __device__ __forceinline__ void dv_block_best(DvShared& sh, float& v, unsigned& id, float& extra) {
   const unsigned t = threadIdx.x;
-  sh.f[t] = v;
-  sh.u[t] = id;
-  sh.f2[t] = extra;
-  __syncthreads();
-  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
-    if (t < off && dv_better(sh.f[t + off], sh.u[t + off], sh.f[t], sh.u[t])) {
-      sh.f[t] = sh.f[t + off];
-      sh.u[t] = sh.u[t + off];
-      sh.f2[t] = sh.f2[t + off];
+  for (unsigned o = dv_warp_width() / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(DV_FULL, v, (int)o);
+    const unsigned oi = __shfl_xor_sync(DV_FULL, id, (int)o);
+    const float oe = __shfl_xor_sync(DV_FULL, extra, (int)o);
+    if (dv_better(ov, oi, v, id)) {
+      v = ov;
+      id = oi;
+      extra = oe;
     }
-    __syncthreads();
   }
-  v = sh.f[0];
-  id = sh.u[0];
-  extra = sh.f2[0];
+  if ((t & 31u) == 0) {
+    sh.f[t >> 5] = v;
+    sh.u[t >> 5] = id;
+    sh.f2[t >> 5] = extra;
+  }
+  __syncthreads();
+  for (unsigned w = 0; w < dv_nwarps(); ++w) {
+    if (dv_better(sh.f[w], sh.u[w], v, id)) {
+      v = sh.f[w];
+      id = sh.u[w];
+      extra = sh.f2[w];
+    }
+  }
   __syncthreads();
 }
 
 __device__ __forceinline__ unsigned dv_block_min(DvShared& sh, unsigned x) {
   const unsigned t = threadIdx.x;
-  sh.u2[t] = x;
-  __syncthreads();
-  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
-    if (t < off && sh.u2[t + off] < sh.u2[t]) sh.u2[t] = sh.u2[t + off];
-    __syncthreads();
+  for (unsigned o = dv_warp_width() / 2; o > 0; o >>= 1) {
+    const unsigned y = __shfl_xor_sync(DV_FULL, x, (int)o);
+    x = y < x ? y : x;
   }
-  const unsigned r = sh.u2[0];
+  if ((t & 31u) == 0) sh.u2[t >> 5] = x;
   __syncthreads();
-  return r;
+  for (unsigned w = 0; w < dv_nwarps(); ++w) x = sh.u2[w] < x ? sh.u2[w] : x;
+  __syncthreads();
+  return x;
 }
 
+// The block's sum, in one fixed order (the same on every thread).
 __device__ __forceinline__ double dv_block_sum(DvShared& sh, double x) {
   const unsigned t = threadIdx.x;
-  sh.d[t] = x;
+  for (unsigned o = dv_warp_width() / 2; o > 0; o >>= 1)
+    x = dv_dadd(x, __shfl_xor_sync(DV_FULL, x, (int)o));
+  if ((t & 31u) == 0) sh.d[t >> 5] = x;
   __syncthreads();
-  for (unsigned off = blockDim.x / 2; off > 0; off >>= 1) {
-    if (t < off) sh.d[t] = dv_dadd(sh.d[t], sh.d[t + off]);
-    __syncthreads();
-  }
-  const double r = sh.d[0];
+  double r = sh.d[0];
+  for (unsigned w = 1; w < dv_nwarps(); ++w) r = dv_dadd(r, sh.d[w]);
   __syncthreads();
   return r;
 }
 
-// Inclusive prefix sum of one unsigned per thread (Hillis-Steele); returns this
-// thread's inclusive sum, *total the block's.
+// Inclusive prefix sum of one unsigned per thread; returns this thread's inclusive
+// sum, *total the block's.
 __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsigned* total) {
-  const unsigned t = threadIdx.x;
-  sh.u2[t] = x;
-  __syncthreads();
-  for (unsigned off = 1; off < blockDim.x; off <<= 1) {
-    const unsigned add = t >= off ? sh.u2[t - off] : 0u;
-    __syncthreads();
-    sh.u2[t] += add;
-    __syncthreads();
+  const unsigned t = threadIdx.x, lane = t & 31u;
+  for (unsigned o = 1; o < dv_warp_width(); o <<= 1) {
+    const unsigned y = __shfl_sync(DV_FULL, x, (int)(lane >= o ? lane - o : lane));
+    if (lane >= o) x += y;
   }
-  const unsigned r = sh.u2[t];
-  *total = sh.u2[blockDim.x - 1];
+  if (lane == dv_warp_width() - 1) sh.u2[t >> 5] = x;
   __syncthreads();
-  return r;
+  unsigned before = 0, all = 0;
+  for (unsigned w = 0; w < dv_nwarps(); ++w) {
+    before += w < (t >> 5) ? sh.u2[w] : 0u;
+    all += sh.u2[w];
+  }
+  *total = all;
+  __syncthreads();
+  return before + x;
 }
 
 // -- the record of one row of one shard -------------------------------------------
@@ -451,8 +488,18 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 #define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
 #endif
 
-struct DvRecordShared {
+// What every row needs: the reductions, and each warp's queue of the columns that pass
+// the temperature path's bound (dv_row_temp).
+struct DvRowShared {
   DvShared red;
+  float qx[DV_WARPS][64];
+  unsigned qid[DV_WARPS][64];
+  float init_score, bound;
+};
+
+// With the top-k selection's histogram, candidates and list.
+struct DvRecordShared {
+  DvRowShared row;
   unsigned hist[2048];
   unsigned cand_key[DV_CAND_CAP];
   unsigned cand_id[DV_CAND_CAP];
@@ -461,7 +508,6 @@ struct DvRecordShared {
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
   unsigned found_bin, found_above, n_gt, n_eq, n_cand;
-  float init_score;
 };
 
 // Columns of a shard's row as (order key, global id, raw logit; -0 read as +0), in
@@ -516,7 +562,7 @@ __device__ __forceinline__ void dv_find_bin(DvRecordShared& sh, unsigned nb, uns
   unsigned cs = 0;
   for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.hist[i];
   unsigned total;
-  const unsigned incl = dv_block_scan(sh.red, cs, &total);
+  const unsigned incl = dv_block_scan(sh.row.red, cs, &total);
   const unsigned above = total - incl;  // bins >= hi
   if (lo < nb && above < remaining && above + cs >= remaining) {
     unsigned acc = above;
@@ -608,7 +654,7 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
         pred = key == thr ? 1u : 0u;
       }
       unsigned total;
-      const unsigned pos = dv_block_scan(sh.red, pred, &total) - pred;
+      const unsigned pos = dv_block_scan(sh.row.red, pred, &total) - pred;
       if (pred && base + pos < remaining) {
         const unsigned slot = gt + base + pos;
         sh.sel_key[slot] = thr;
@@ -753,27 +799,198 @@ __device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols
   __syncthreads();
 }
 
+// f(x, c, valid) over the columns c < ncols of `row`, in column order per thread, with
+// the same trip count on every thread of the block (f may use warp intrinsics; valid is
+// false where a thread has no column): a scalar head up to the first 16-byte boundary,
+// 16-byte vectors (two in flight per thread), a scalar tail.
+template <typename Tag, typename F>
+__device__ __forceinline__ void dv_row_each_uniform(const typename Tag::Storage* row,
+                                                    unsigned ncols, F&& f) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {
+    const unsigned c = c0 + t;
+    f(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
+  }
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned v0 = 0; v0 < nvec; v0 += 2 * B) {
+    const unsigned v = v0 + t, v2 = v + B;
+    ArgmaxVec16 a, b;
+    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
+    b = a;
+    if (v < nvec) a = argmax_load16(vp + v);
+    if (v2 < nvec) b = argmax_load16(vp + v2);
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(a, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) f(xs[j], head + v * E + j, v < nvec);
+    if (v0 + B < nvec) {  // uniform: some thread has a second vector
+      ArgmaxUnpack<Tag>::run(b, xs);
+#pragma unroll
+      for (unsigned j = 0; j < E; ++j) f(xs[j], head + v2 * E + j, v2 < nvec);
+    }
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {
+    const unsigned c = c0 + t;
+    f(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
+  }
+}
+
+// Floats (no NaN) as unsigned in their order; -0 just below +0.
+__device__ __forceinline__ unsigned dv_ord(float x) {
+  const unsigned u = argmax_f2u(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float dv_unord(unsigned k) {
+  return argmax_u2f((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// The smallest raw logit x with float32(x / T + DV_G_BOUND) >= s, the column's best
+// possible score (T > 0, s = the score of the column holding m, so x = m qualifies).
+// Division by a positive T and the addition are monotone, so a column whose raw logit
+// is below the result cannot reach s: one comparison per column instead of a division.
+// An estimate, then a doubling search for a bracket, then bisection (a few steps).
+__device__ float dv_raw_bound(float s, float T, float m) {
+  if (s == dv_neg_inf()) return dv_neg_inf();  // every column qualifies
+  const unsigned lo_end = dv_ord(dv_neg_inf()), hi_end = dv_ord(m);
+  float est = (s - DV_G_BOUND) * T;
+  if (!argmax_isfinite(est) || est > m) est = m;
+  const unsigned k = dv_ord(est);
+  unsigned lo, hi;  // the predicate is false at lo, true at hi
+  if (dv_fadd(dv_fdiv(est, T), DV_G_BOUND) >= s) {
+    hi = k;
+    for (unsigned step = 1;; step *= 2) {
+      if (hi - lo_end <= step) {
+        if (dv_fadd(dv_fdiv(dv_neg_inf(), T), DV_G_BOUND) >= s) return dv_neg_inf();
+        lo = lo_end;
+        break;
+      }
+      lo = hi - step;
+      if (!(dv_fadd(dv_fdiv(dv_unord(lo), T), DV_G_BOUND) >= s)) break;
+      hi = lo;
+    }
+  } else {
+    lo = k;
+    for (unsigned step = 1;; step *= 2) {
+      if (hi_end - lo <= step) {
+        hi = hi_end;
+        break;
+      }
+      hi = lo + step;
+      if (dv_fadd(dv_fdiv(dv_unord(hi), T), DV_G_BOUND) >= s) break;
+      lo = hi;
+    }
+  }
+  while (hi - lo > 1) {
+    const unsigned mid = lo + (hi - lo) / 2;
+    if (dv_fadd(dv_fdiv(dv_unord(mid), T), DV_G_BOUND) >= s)
+      hi = mid;
+    else
+      lo = mid;
+  }
+  return dv_unord(hi);
+}
+
+// The best (score desc, id asc) column of a TEMP row of one shard: m (its column
+// max_id) is the shard's maximum, no column is NaN. Each column's score is
+// float32(x / T) + noise; the noise is below DV_G_BOUND, so only columns at or above
+// dv_raw_bound of the first column's score can win. Each warp queues those in shared
+// memory and scores them 32 at a time, so the noise's Philox rounds run on full warps
+// whatever the share of such columns; a fast single-precision estimate then spares the
+// exact double-precision noise of the columns that cannot beat the lane's best.
+template <typename Tag>
+__device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                            const DvParams& p, unsigned d, float m, unsigned max_id,
+                            float& best_score, unsigned& best_id, float& best_val,
+                            DvRowShared& sh) {
+  const unsigned t = threadIdx.x, lane = t & 31u, W = dv_warp_width();
+  const dv_u64 key = dv_stream_key(p, d);
+  const float T = p.temperature;
+  const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
+  if (t == 0) {
+    const float s0 = dv_fadd(dv_fdiv(m, T), dv_noise(key, max_id));
+    sh.init_score = s0;
+    sh.bound = dv_raw_bound(s0, T, m);
+  }
+  __syncthreads();
+  best_score = sh.init_score;
+  best_id = max_id;
+  best_val = m;
+  const float xb = sh.bound;
+  float* qx = sh.qx[t >> 5];
+  unsigned* qid = sh.qid[t >> 5];
+  auto score = [&](float x, unsigned id) {
+    const float z = dv_fdiv(x, T);
+    if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win
+    const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
+    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+    // estimate with a wide margin skips the exact noise (NaN: keep)
+    if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
+    const float sc = dv_fadd(z, dv_gumbel(u));
+    if (dv_better(sc, id, best_score, best_id)) {
+      best_score = sc;
+      best_id = id;
+      best_val = x;
+    }
+  };
+  unsigned cnt = 0;  // the warp's queue length (the same on every lane)
+  dv_row_each_uniform<Tag>(row, ncols, [&](float x, unsigned c, bool valid) {
+    const bool pass = valid && x >= xb;
+    const unsigned mask = __ballot_sync(DV_FULL, pass);
+    if (pass) {
+      const unsigned slot = cnt + __popc(mask & ((1u << lane) - 1u));
+      qx[slot] = x;
+      qid[slot] = col0 + c;
+    }
+    cnt += __popc(mask);
+    if (cnt >= W) {  // a full warp's worth: score it, keep the rest
+      __syncwarp();
+      score(qx[lane], qid[lane]);
+      if (lane + W < cnt) {
+        qx[lane] = qx[lane + W];
+        qid[lane] = qid[lane + W];
+      }
+      cnt -= W;
+      __syncwarp();
+    }
+  });
+  __syncwarp();
+  if (lane < cnt) score(qx[lane], qid[lane]);
+  dv_block_best(sh.red, best_score, best_id, best_val);
+}
+
 // The record of one row: `ncols` counted columns (those below vocab_limit) starting at
 // global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
-// Every thread of the block calls it; rec is complete when it returns.
-template <typename Tag>
+// Every thread of the block calls it; rec is complete when it returns. kList: the
+// kernel holds the top-k selection's shared memory (`ls`); without it (kcap must be 0)
+// the row needs only `rs`, so more CTAs fit on an SM.
+template <typename Tag, bool kList>
 __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                               const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
-                              unsigned cand, unsigned digest, unsigned* rec,
-                              DvRecordShared& sh) {
+                              unsigned cand, unsigned digest, unsigned* rec, DvRowShared& rs,
+                              DvRecordShared* ls) {
   const unsigned t = threadIdx.x;
   // pass 1: first NaN, first maximum
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
   const int mode = dv_mode(p);
   unsigned list_len = 0;
-  if (mode == DV_TOPK && ncols > 0) {
+  if (kList && mode == DV_TOPK && ncols > 0) {
     list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
     if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
   }
-  if (list_len > 0) {  // with the top-k selection's first histogram
-    dv_row_max_hist<Tag>(row, ncols, col0, nan_id, max_id, m, sh);
-  } else {
+  if constexpr (kList) {
+    if (list_len > 0) {  // with the top-k selection's first histogram
+      dv_row_max_hist<Tag>(row, ncols, col0, nan_id, max_id, m, *ls);
+    }
+  }
+  if (list_len == 0) {
     dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
       if (argmax_isnan(x)) {
         if (nan_id == DV_NO_ID) nan_id = col0 + c;
@@ -783,9 +1000,9 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
       }
     });
   }
-  nan_id = dv_block_min(sh.red, nan_id);
+  nan_id = dv_block_min(rs.red, nan_id);
   float unused = 0.0f;
-  dv_block_best(sh.red, m, max_id, unused);
+  dv_block_best(rs.red, m, max_id, unused);
   const bool has_nan = nan_id != DV_NO_ID;
   // pass 2 (logprobs): sum of exp(x - max) in float64
   double se = 0.0;
@@ -793,37 +1010,14 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     dv_row_each<Tag>(row, ncols, [&](float x, unsigned) {
       if (x != dv_neg_inf()) se = dv_dadd(se, dv_exp(dv_dadd((double)x, -(double)m)));
     });
-    se = dv_block_sum(sh.red, se);
+    se = dv_block_sum(rs.red, se);
   }
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
-    const dv_u64 key = dv_stream_key(p, d);
-    const float T = p.temperature;
-    if (t == 0) sh.init_score = dv_fadd(dv_fdiv(m, T), dv_noise(key, max_id));
-    __syncthreads();
-    best_score = sh.init_score;
-    best_id = max_id;
-    best_val = m;
-    const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
-    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
-      const float z = dv_fdiv(x, T);
-      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win (NaN-safe)
-      const unsigned id = col0 + c;
-      const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
-      // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-      // estimate with a wide margin skips the exact double-precision noise (NaN: keep)
-      if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
-      const float s = dv_fadd(z, dv_gumbel(u));
-      if (dv_better(s, id, best_score, best_id)) {
-        best_score = s;
-        best_id = id;
-        best_val = x;
-      }
-    });
-    dv_block_best(sh.red, best_score, best_id, best_val);
-  } else if (list_len > 0) {
-    dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, sh);
+    dv_row_temp<Tag>(row, ncols, col0, p, d, m, max_id, best_score, best_id, best_val, rs);
+  } else if constexpr (kList) {
+    if (list_len > 0) dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, *ls);
   }
   if (t == 0) {
     rec[DV_W_FLAGS] = has_nan ? 1u : 0u;

@@ -50,6 +50,13 @@ extern "C" void emu_records(unsigned grid, unsigned block, const u64* v) {
                       (i64)v[16], (i64)v[17], (i64)v[18], v[19], v[20]);
   });
 }
+extern "C" void emu_records_nolist(unsigned grid, unsigned block, const u64* v) {
+  launch(grid, block, [=]() {
+    dp_verify_records_nolist(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8],
+                             (i64)v[9], (i64)v[10], v[11], (i64)v[12], (i64)v[13], (i64)v[14],
+                             (i64)v[15], (i64)v[16], (i64)v[17], (i64)v[18], v[19], v[20]);
+  });
+}
 extern "C" void emu_combine(unsigned grid, unsigned block, const u64* v) {
   launch(grid, block, [=]() {
     dp_verify_combine(v[0], v[1], v[2], v[3], v[4], v[5], v[6], (i64)v[7], (i64)v[8],
@@ -89,6 +96,7 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
     lib.emu_records.argtypes = [c, c, u]
+    lib.emu_records_nolist.argtypes = [c, c, u]
     lib.emu_combine.argtypes = [c, c, u]
     lib.emu_noise.argtypes = [u, u, i, u]
     lib.emu_stream_key.argtypes = [i, i, c, u]
@@ -182,7 +190,9 @@ def run_kernels(
         dg = digest if digests is None else digests[s]
         args = [_addr(shards[s]), _addr(cand), *ptrs[s], cap, int(want_lp), dg, bs_ptr, bs_host]
         args += [rows, vs, s * vs, limit, code, n, _addr(out), _addr(ev)]
-        lib.emu_records(grid, block, _addr(_words(args)))
+        # the kernel the backends launch: without top-k lists, the one with less shared memory
+        records_kernel = lib.emu_records if cap else lib.emu_records_nolist
+        records_kernel(grid, block, _addr(_words(args)))
         records.append(out)
         values.append(int(ev[0]))
     r = pad_bs // tp
@@ -425,6 +435,57 @@ def test_kernels_flat_and_peaked_rows(lib: Any) -> None:
                 scale=scale,
                 want_lp=False,
             )
+
+
+@pytest.mark.parametrize("block", [8, 256])
+def test_temperature_queues_on_wide_shards(lib: Any, block: int) -> None:
+    # the temperature pass queues the columns that pass its bound per warp and scores a
+    # warp's worth at a time: wide shards (many full queues, a misaligned vector head
+    # from vs % 8 != 0), flat rows (every column passes) and peaked ones (few do), full
+    # warps and a partial one (block 8)
+    for k, (dtype, scale) in enumerate(
+        [("float32", 0.05), ("bfloat16", 4.0), ("float16", 1.0), ("float32", 8.0)]
+    ):
+        _case(
+            lib,
+            40 + k,
+            tp=2,
+            vs=1501,
+            n=2,
+            pad_bs=2,
+            dtype=dtype,
+            mode="temperature",
+            scale=scale,
+            block=block,
+        )
+
+
+@pytest.mark.parametrize("block", [8, 32, 256])
+def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
+    # two equal maxima per shard row, every other column far below: the pass's only
+    # contenders are the first (the initial best) and the last column of the shard, which
+    # wins on about half the rows, and which no full queue ever scores (the queues'
+    # leftovers must be)
+    tp, vs, n, pad_bs = 2, 997, 1, 64
+    g = np.random.default_rng(23)
+    full = (g.standard_normal((pad_bs, vs * tp)) - 60).astype(np.float32)
+    for s in range(tp):
+        full[:, s * vs] = full[:, (s + 1) * vs - 1] = 5.0
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = {
+        "temperature": np.ones(pad_bs, np.float32),
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+    }
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, _, _ = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
+    want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
+    assert np.array_equal(got[0], want[0])
+    last = np.isin(want[0][:, 0], [(s + 1) * vs - 1 for s in range(tp)])
+    assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
 
 
 def test_kernels_n1_and_block_sizes(lib: Any) -> None:

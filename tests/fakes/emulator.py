@@ -2,7 +2,8 @@
 
 ``kernels/nccl.cu``, ``kernels/argmax.cu`` and ``kernels/verify.cu`` include no toolkit
 header, so g++ builds them with a few definitions: one ``std::thread`` per CUDA thread,
-``std::barrier`` for ``__syncthreads``, GCC ``__atomic`` builtins for ``atomicAdd`` /
+``std::barrier`` for ``__syncthreads``, the warp intrinsics of
+``tests/_cuda_emulation.WARPS``, GCC ``__atomic`` builtins for ``atomicAdd`` /
 ``atomicCAS``, blocks in turn, one kernel at a time, and ``-ffp-contract=off`` (the
 verify kernels' float decisions are IEEE basic operations without contraction).
 :func:`launch_params` is the emulated ``cuLaunchKernel``: it takes the kernel's name
@@ -27,14 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _cuda_emulation import WARPS
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <barrier>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -46,8 +50,11 @@ std::barrier<>* g_barrier = nullptr;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+"""
+    + WARPS
+    + r"""
 inline void __threadfence_system() {}
 inline void __threadfence() {}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
@@ -71,6 +78,7 @@ static void launch(int grid, int block, const std::function<void()>& body) {
   for (int b = 0; b < grid; ++b) {
     std::barrier<> bar(block);
     g_barrier = &bar;
+    emu_warps_begin(block);
     std::vector<std::thread> threads;
     for (int t = 0; t < block; ++t)
       threads.emplace_back([&, b, t]() { blockIdx.x = b; threadIdx.x = t; body(); });
@@ -116,6 +124,10 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
     body = [a]() {
       dp_verify_records(A15, a[15], a[16], a[17], a[18], a[19], a[20]);
     };
+  else if (k == "dp_verify_records_nolist")
+    body = [a]() {
+      dp_verify_records_nolist(A15, a[15], a[16], a[17], a[18], a[19], a[20]);
+    };
   else if (k == "dp_verify_combine")
     body = [a]() {
       dp_verify_combine(A15, a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
@@ -125,6 +137,7 @@ extern "C" int emu_launch(const char* name, int grid, int block, void** params, 
   return 0;
 }
 """
+)
 
 #: Arguments of every emulated kernel (all 8 bytes wide).
 ARITY: dict[str, int] = {
@@ -137,10 +150,15 @@ ARITY: dict[str, int] = {
     "dp_argmax_partials": 11,
     "dp_argmax_combine": 10,
     "dp_verify_records": 21,
+    "dp_verify_records_nolist": 21,
     "dp_verify_combine": 23,
 }
 #: Most threads per block the emulation runs of these kernels (see the module docstring).
-BLOCK_CAP: dict[str, int] = {"dp_verify_records": 32, "dp_verify_combine": 32}
+BLOCK_CAP: dict[str, int] = {
+    "dp_verify_records": 32,
+    "dp_verify_records_nolist": 32,
+    "dp_verify_combine": 32,
+}
 
 
 class Emulator:

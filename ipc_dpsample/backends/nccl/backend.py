@@ -458,7 +458,8 @@ class NcclBackend(NcclSetup, Backend):
             values += (int(return_logprobs), digest, bs.ptr, bs.bs)
             real = plan.reqs if bs.on_device else real_reqs(plan.reqs, bs.bs, self.rank)
             rows = pad_bs * n if bs.on_device else bs.bs * n
-            plan.records(handle, *values, grid=max(1, min(_MAX_GRID, rows)))
+            records = plan.records if cap else plan.records_nolist
+            records(handle, *values, grid=max(1, min(_MAX_GRID, rows)))
             send, recv = plan.send_base, plan.recv_base
             if moves:
                 self._exchange("verify_batch_vocab", moves, send, recv, chunk, handle)

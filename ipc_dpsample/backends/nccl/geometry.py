@@ -64,7 +64,7 @@ PARTIAL_BYTES = 12
 #: The verify kernels (kernels/verify.cu, the device code shared with the one-sided
 #: backend): records of the whole local input, the owner's combine.
 VERIFY_SOURCE = "verify.cu"
-VERIFY_KERNEL_NAMES = ("dp_verify_records", "dp_verify_combine")
+VERIFY_KERNEL_NAMES = ("dp_verify_records", "dp_verify_records_nolist", "dp_verify_combine")
 #: Threads per CTA of both verify kernels (``DV_BLOCK`` in verify.cuh: their shared
 #: arrays hold at most that many).
 VERIFY_BLOCK = 256

@@ -301,13 +301,14 @@ class VerifyPlan:
         rows = pad_bs * n
         self.header = launcher.header(tag_of(Op.VERIFY, dtype), pad_bs, p["my_hdr"], p["counter"])
         err_words = p["verr"]  # [0] the combine's argument check, [1] the refused value
+        rec_args = (rows, vs, rank * vs, vocab_limit, int(dtype), n, self.send_base, err_words + 4)
+        grid = max(1, min(_MAX_GRID, rows))
         self.records = launcher.prepare(
-            "dp_verify_records",
-            max(1, min(_MAX_GRID, rows)),
-            (0,) * 13
-            + (rows, vs, rank * vs, vocab_limit, int(dtype), n, self.send_base, err_words + 4),
-            13,
-            block=VERIFY_BLOCK,
+            "dp_verify_records", grid, (0,) * 13 + rec_args, 13, block=VERIFY_BLOCK
+        )
+        #: the same records when no row has top-k (list capacity 0): less shared memory
+        self.records_nolist = launcher.prepare(
+            "dp_verify_records_nolist", grid, (0,) * 13 + rec_args, 13, block=VERIFY_BLOCK
         )
         outs = (p["vpredict"], p["vaccept_index"], p["vaccept_length"], p["vlogprobs"])
         self.combine = launcher.prepare(

@@ -76,6 +76,7 @@ _KERNELS = (
     "dp_swap_copy_out",
     "dp_argmax",
     "dp_verify_push",
+    "dp_verify_push_nolist",
     "dp_verify_finish",
 )
 VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh
@@ -96,6 +97,19 @@ ARGMAX_BLOCK = 256  # DP_ARGMAX_BLOCK in onesided.cu
 #: argmax CTAs per SM: one CTA reduces one row at a time, and several ranks' CTAs
 #: share the SMs when ranks share a GPU
 ARGMAX_CTAS_PER_SM = 4
+
+
+def _resident_ctas(kernel: Any, block: int) -> int:
+    """CTAs of ``block`` threads of ``kernel`` (a loaded ``cupy.RawKernel`` function)
+    that fit on one SM at once, by the driver's occupancy calculator (its registers and
+    static shared memory); ``ARGMAX_CTAS_PER_SM`` when the driver cannot say."""
+    import cupy
+
+    try:
+        n = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, block, 0))
+    except Exception:  # an old driver or CuPy without the call: the fixed guess
+        return ARGMAX_CTAS_PER_SM
+    return n if n > 0 else ARGMAX_CTAS_PER_SM
 
 
 def swap_block(chunk_bytes: int, tp: int, tuning: OnesidedTuning) -> int:
@@ -186,6 +200,12 @@ class OnesidedBackend(Backend):
             _ = kernel.max_threads_per_block
         self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
         self._max_argmax_grid = self._sm_count * ARGMAX_CTAS_PER_SM
+        # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
+        # registers and shared memory decide how many), so no CTA waits for a second wave
+        self._resident_grid = {
+            name: self._sm_count * _resident_ctas(self._kernels[name], VERIFY_BLOCK)
+            for name in ("dp_verify_push", "dp_verify_push_nolist")
+        }
         self._err = DpErrorBlock.from_address(self.arena.err_host)
         self._err_code = ctypes.c_uint32.from_address(self.arena.err_host)
         self._error: DpSampleError | None = None
@@ -196,7 +216,9 @@ class OnesidedBackend(Backend):
         self._swap_plans: dict[int, SwapPlan] = {}
         self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._argmax_plans: dict[tuple[int, int], PreparedLaunch] = {}
-        self._verify_plans: dict[tuple[int, int], tuple[PreparedLaunch, PreparedLaunch]] = {}
+        self._verify_plans: dict[
+            tuple[int, int, bool], tuple[PreparedLaunch, PreparedLaunch, int]
+        ] = {}
         self._verify_bufs: Any = None  # this rank's results and host parameters (below)
         #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
         self.last_verify_path = ""
@@ -464,8 +486,12 @@ class OnesidedBackend(Backend):
                 )
         return self._verify_bufs
 
-    def _verify_plan(self, pad_bs: int, vocab_limit: int) -> tuple[PreparedLaunch, PreparedLaunch]:
-        plan = self._verify_plans.get((pad_bs, vocab_limit))
+    def _verify_plan(
+        self, pad_bs: int, vocab_limit: int, lists: bool
+    ) -> tuple[PreparedLaunch, PreparedLaunch, int]:
+        """``(push, finish, push grid limit)``; ``lists``: some row may have top-k (the
+        push with the selection's shared memory), else ``dp_verify_push_nolist``."""
+        plan = self._verify_plans.get((pad_bs, vocab_limit, lists))
         if plan is not None:
             return plan
         cfg, lay, desc = self.cfg, self.layout, self._desc
@@ -476,9 +502,11 @@ class OnesidedBackend(Backend):
         vs = cfg.vocab_size // cfg.tp_size
         region = (lay.verify_off, lay.verify_region_bytes)
         rows = pad_bs * cfg.num_tokens_per_req
+        name = "dp_verify_push" if lists else "dp_verify_push_nolist"
+        push_grid = self._resident_grid[name]
         push = self._launch(
-            "dp_verify_push",
-            max(1, min(rows, self._max_argmax_grid)),
+            name,
+            max(1, min(rows, push_grid)),
             VERIFY_BLOCK,
             (0,) * 13 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
             13,
@@ -490,7 +518,7 @@ class OnesidedBackend(Backend):
             (0,) * 12 + (desc, pad_bs, vocab_limit, sig, *region, *outs),
             12,
         )
-        plan = self._verify_plans[(pad_bs, vocab_limit)] = (push, finish)
+        plan = self._verify_plans[(pad_bs, vocab_limit, lists)] = (push, finish, push_grid)
         return plan
 
     def _host_param_pointers(self, params: VerifyParams, handle: int) -> tuple[int, ...]:
@@ -562,7 +590,7 @@ class OnesidedBackend(Backend):
                 "min_p, seed and offset as arrays on this communicator's device"
             )
         capturing = self._begin(handle)
-        push, finish = self._verify_plan(pad_bs, params.vocab_limit)
+        push, finish, push_grid = self._verify_plan(pad_bs, params.vocab_limit, cap > 0)
         pred, aidx, alen, lp = self._verify_buffers()[:4]
         if isinstance(params, VerifyParams):
             ptrs = self._host_param_pointers(params, handle)
@@ -572,7 +600,7 @@ class OnesidedBackend(Backend):
         cand = candidates_info.ptr
         values = (info.ptr, cand, *ptrs, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
         rows = max(1, bs.bs * cfg.num_tokens_per_req)
-        self._issue((push,), handle, values, Op.VERIFY, (push,), min(rows, self._max_argmax_grid))
+        self._issue((push,), handle, values, Op.VERIFY, (push,), min(rows, push_grid))
         r = pad_bs // tp
         self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(r, bs.bs)))
         if not self._graphed:
