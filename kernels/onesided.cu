@@ -471,7 +471,7 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
                                                  u32 digest, u32 real_rows, u32 rpd, u32 ncols,
                                                  u32 limit, u64 region, u32 sig,
-                                                 DvRowShared& rs, DvRecordShared* ls) {
+                                                 DvRowShared& rs, DvQueue& qu, DvRecordShared* ls) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
   const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
@@ -484,7 +484,7 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
     unsigned* rec = (unsigned*)(peers[dest] + region) + ((u64)d.rank * rpd + i) * rec_words;
     dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0, p,
-                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs, ls);
+                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs, qu, ls);
   }
 }
 
@@ -496,7 +496,7 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
                                             i64 pad_bs, i64 ncols, i64 vocab_limit,
                                             i64 dtype_code, u64 sig, u64 region_off,
                                             i64 region_bytes, DvRowShared& rs,
-                                            DvRecordShared* ls) {
+                                            DvQueue& qu, DvRecordShared* ls) {
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
   const u32 e = s.e, parity = s.parity, full_sig = s.sig;
@@ -511,13 +511,13 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
     verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim,
-                                 region, full_sig, rs, ls);
+                                 region, full_sig, rs, qu, ls);
   else if (dtype_code == 2)
     verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
-                                full_sig, rs, ls);
+                                full_sig, rs, qu, ls);
   else
     verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
-                                full_sig, rs, ls);
+                                full_sig, rs, qu, ls);
 
   __shared__ u32 last;
   __syncthreads();
@@ -556,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
   __shared__ DvRecordShared sh;
   verify_push<true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                     want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit, dtype_code,
-                    sig, region_off, region_bytes, sh.row, &sh);
+                    sig, region_off, region_bytes, sh.row, sh.q, &sh);
 }
 
 // kcap == 0 (no row has top-k): the same, with a few KB of shared memory per CTA.
@@ -566,10 +566,10 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                           i64 digest, u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
                           i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
                           i64 region_bytes) {
-  __shared__ DvRowShared sh;
+  __shared__ DvRowQueueShared sh;
   verify_push<false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                      want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit,
-                     dtype_code, sig, region_off, region_bytes, sh, nullptr);
+                     dtype_code, sig, region_off, region_bytes, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

@@ -54,7 +54,7 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
                                                 i64 real_rows, i64 ncols, i64 col0,
                                                 i64 vocab_limit, i64 n, u64 out_words,
                                                 unsigned* err_value, DvRowShared& rs,
-                                                DvRecordShared* ls) {
+                                                DvQueue& qu, DvRecordShared* ls) {
   typedef typename Tag::Storage S;
   i64 limit = vocab_limit - col0;
   limit = limit < 0 ? 0 : (limit > ncols ? ncols : limit);
@@ -69,7 +69,7 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
     unsigned* rec = reinterpret_cast<unsigned*>(out_words) + g * rec_words;
     dv_row_record<Tag, kList>(reinterpret_cast<const S*>(src) + g * ncols, static_cast<unsigned>(limit),
                        static_cast<unsigned>(col0), p, d, kcap, want_lp,
-                       static_cast<unsigned>(cand[g]), dg, rec, rs, ls);
+                       static_cast<unsigned>(cand[g]), dg, rec, rs, qu, ls);
   }
 }
 
@@ -80,7 +80,7 @@ __device__ __forceinline__ void dv_records(u64 src, u64 cand, u64 temperature, u
                                            i64 bs_host, i64 rows, i64 ncols, i64 col0,
                                            i64 vocab_limit, i64 dtype_code, i64 n,
                                            u64 out_words, u64 err_value, DvRowShared& rs,
-                                           DvRecordShared* ls) {
+                                           DvQueue& qu, DvRecordShared* ls) {
   i64 bs = dv_bs(bs_ptr, bs_host);
   if (bs < 0) bs = 0;
   const i64 real_rows = bs * n < rows ? bs * n : rows;
@@ -90,13 +90,13 @@ __device__ __forceinline__ void dv_records(u64 src, u64 cand, u64 temperature, u
   unsigned* ev = reinterpret_cast<unsigned*>(err_value);
   if (dtype_code == ArgmaxBf16::kCode)
     dv_records_rows<ArgmaxBf16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                       vocab_limit, n, out_words, ev, rs, ls);
+                                       vocab_limit, n, out_words, ev, rs, qu, ls);
   else if (dtype_code == ArgmaxF16::kCode)
     dv_records_rows<ArgmaxF16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                      vocab_limit, n, out_words, ev, rs, ls);
+                                      vocab_limit, n, out_words, ev, rs, qu, ls);
   else if (dtype_code == ArgmaxF32::kCode)
     dv_records_rows<ArgmaxF32, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                      vocab_limit, n, out_words, ev, rs, ls);
+                                      vocab_limit, n, out_words, ev, rs, qu, ls);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
@@ -107,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
   __shared__ DvRecordShared sh;
   dv_records<true>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
                    digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
-                   out_words, err_value, sh.row, &sh);
+                   out_words, err_value, sh.row, sh.q, &sh);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
@@ -116,10 +116,10 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                              i64 digest, u64 bs_ptr, i64 bs_host, i64 rows, i64 ncols,
                              i64 col0, i64 vocab_limit, i64 dtype_code, i64 n, u64 out_words,
                              u64 err_value) {
-  __shared__ DvRowShared sh;
+  __shared__ DvRowQueueShared sh;
   dv_records<false>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
                     digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
-                    out_words, err_value, sh, nullptr);
+                    out_words, err_value, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

@@ -488,18 +488,22 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 #define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
 #endif
 
-// What every row needs: the reductions, and each warp's queue of the columns that pass
-// the temperature path's bound (dv_row_temp).
+// What every row needs: the reductions and the temperature path's bound.
 struct DvRowShared {
   DvShared red;
-  float qx[DV_WARPS][64];
-  unsigned qid[DV_WARPS][64];
   float init_score, bound;
 };
 
-// With the top-k selection's histogram, candidates and list.
-struct DvRecordShared {
-  DvRowShared row;
+// Each warp's queue of the columns that pass the temperature path's bound
+// (dv_row_temp): room for a warp's leftover (< 32) plus one 16-byte vector per lane.
+#define DV_QCAP (32 * 9)
+struct DvQueue {
+  float x[DV_WARPS][DV_QCAP];
+  unsigned id[DV_WARPS][DV_QCAP];
+};
+
+// The top-k selection's histogram, candidates and list.
+struct DvTopKShared {
   unsigned hist[2048];
   unsigned cand_key[DV_CAND_CAP];
   unsigned cand_id[DV_CAND_CAP];
@@ -508,6 +512,22 @@ struct DvRecordShared {
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
   unsigned found_bin, found_above, n_gt, n_eq, n_cand;
+};
+
+// A record kernel's shared memory without top-k lists (kcap == 0) ...
+struct DvRowQueueShared {
+  DvRowShared row;
+  DvQueue q;
+};
+
+// ... and with them: a row takes either the temperature path or the top-k selection,
+// so the queue and the selection share their bytes (static shared memory <= 48 KB).
+struct DvRecordShared {
+  DvRowShared row;
+  union {
+    DvQueue q;
+    DvTopKShared k;
+  };
 };
 
 // Columns of a shard's row as (order key, global id, raw logit; -0 read as +0), in
@@ -533,9 +553,9 @@ struct DvCandSource {
   static constexpr bool kColumnOrder = false;
   __device__ __forceinline__ unsigned size() const { return n; }
   __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
-    key = sh->cand_key[i];
-    id = sh->cand_id[i];
-    val = sh->cand_val[i];
+    key = sh->k.cand_key[i];
+    id = sh->k.cand_id[i];
+    val = sh->k.cand_val[i];
   }
 };
 
@@ -554,25 +574,25 @@ __device__ __forceinline__ void dv_hist_add(unsigned* hist, unsigned bin, bool a
 }
 
 // One radix digit: the bin (from the top) holding the remaining-th largest key among
-// the counted ones; sets sh.found_bin / sh.found_above. hist holds nb counts.
+// the counted ones; sets sh.k.found_bin / sh.k.found_above. hist holds nb counts.
 __device__ __forceinline__ void dv_find_bin(DvRecordShared& sh, unsigned nb, unsigned remaining) {
   const unsigned t = threadIdx.x, B = blockDim.x;
   const unsigned per = nb / B ? nb / B : 1u;
   const unsigned lo = t * per, hi = lo + per;  // this thread's bins [lo, hi)
   unsigned cs = 0;
-  for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.hist[i];
+  for (unsigned i = lo; i < hi && i < nb; ++i) cs += sh.k.hist[i];
   unsigned total;
   const unsigned incl = dv_block_scan(sh.row.red, cs, &total);
   const unsigned above = total - incl;  // bins >= hi
   if (lo < nb && above < remaining && above + cs >= remaining) {
     unsigned acc = above;
     for (unsigned i = (hi < nb ? hi : nb); i-- > lo;) {
-      if (acc + sh.hist[i] >= remaining) {
-        sh.found_bin = i;
-        sh.found_above = acc;
+      if (acc + sh.k.hist[i] >= remaining) {
+        sh.k.found_bin = i;
+        sh.k.found_above = acc;
         break;
       }
-      acc += sh.hist[i];
+      acc += sh.k.hist[i];
     }
   }
   __syncthreads();
@@ -589,20 +609,20 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
   for (int pass = first_pass; pass < 3; ++pass) {
     const unsigned shift = pass == 0 ? 21u : (pass == 1 ? 10u : 0u);
     const unsigned nb = pass == 2 ? 1024u : 2048u;
-    for (unsigned i = t; i < nb; i += B) sh.hist[i] = 0;
+    for (unsigned i = t; i < nb; i += B) sh.k.hist[i] = 0;
     __syncthreads();
     for (unsigned c0 = 0; c0 < n; c0 += B) {  // uniform trip count (warp-aggregated adds)
       const unsigned c = c0 + t;
       unsigned key = 0, id;
       float val;
       if (c < n) src.get(c, key, id, val);
-      dv_hist_add(sh.hist, (key >> shift) & (nb - 1), c < n && (key & mask) == prefix);
+      dv_hist_add(sh.k.hist, (key >> shift) & (nb - 1), c < n && (key & mask) == prefix);
     }
     __syncthreads();
     dv_find_bin(sh, nb, remaining);
-    const unsigned bin = sh.found_bin;
-    remaining -= sh.found_above;
-    eq_count = sh.hist[bin];
+    const unsigned bin = sh.k.found_bin;
+    remaining -= sh.k.found_above;
+    eq_count = sh.k.hist[bin];
     prefix |= bin << shift;
     mask |= (nb - 1) << shift;
     __syncthreads();
@@ -611,8 +631,8 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
   // lowest ids among the equal ones
   const unsigned thr = prefix, gt = kk - remaining;
   if (t == 0) {
-    sh.n_gt = 0;
-    sh.n_eq = 0;
+    sh.k.n_gt = 0;
+    sh.k.n_eq = 0;
   }
   __syncthreads();
   const bool all_eq = eq_count == remaining;
@@ -622,9 +642,9 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
     src.get(c, key, id, val);
     unsigned slot = DV_TOPK_MAX;
     if (key > thr) {
-      slot = atomicAdd(&sh.n_gt, 1u);
+      slot = atomicAdd(&sh.k.n_gt, 1u);
     } else if (key == thr && all_eq) {
-      slot = gt + atomicAdd(&sh.n_eq, 1u);
+      slot = gt + atomicAdd(&sh.k.n_eq, 1u);
     } else if (key == thr && !Src::kColumnOrder) {
       // ties at the k-th value, candidates in any order: rank by id among the equal
       unsigned r = 0;
@@ -637,9 +657,9 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
       if (r < remaining) slot = gt + r;
     }
     if (slot < DV_TOPK_MAX) {
-      sh.sel_key[slot] = key;
-      sh.sel_id[slot] = id;
-      sh.sel_val[slot] = val;
+      sh.k.sel_key[slot] = key;
+      sh.k.sel_id[slot] = id;
+      sh.k.sel_val[slot] = val;
     }
   }
   __syncthreads();
@@ -657,9 +677,9 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
       const unsigned pos = dv_block_scan(sh.row.red, pred, &total) - pred;
       if (pred && base + pos < remaining) {
         const unsigned slot = gt + base + pos;
-        sh.sel_key[slot] = thr;
-        sh.sel_id[slot] = id;
-        sh.sel_val[slot] = val;
+        sh.k.sel_key[slot] = thr;
+        sh.k.sel_id[slot] = id;
+        sh.k.sel_val[slot] = val;
       }
       base += total;
     }
@@ -667,51 +687,14 @@ __device__ void dv_select(const Src& src, unsigned kk, int first_pass, unsigned 
   __syncthreads();
   // sort the kk entries into key order by counting
   for (unsigned i = t; i < kk; i += B) {
-    const unsigned k = sh.sel_key[i], id = sh.sel_id[i];
+    const unsigned k = sh.k.sel_key[i], id = sh.k.sel_id[i];
     unsigned r = 0;
     for (unsigned j = 0; j < kk; ++j)
-      r += (sh.sel_key[j] > k || (sh.sel_key[j] == k && sh.sel_id[j] < id)) ? 1u : 0u;
-    rec[DV_HDR + r] = argmax_f2u(sh.sel_val[i]);
+      r += (sh.k.sel_key[j] > k || (sh.k.sel_key[j] == k && sh.k.sel_id[j] < id)) ? 1u : 0u;
+    rec[DV_HDR + r] = argmax_f2u(sh.k.sel_val[i]);
     rec[DV_HDR + kcap + r] = id;
   }
   __syncthreads();
-}
-
-// The top `kk` columns of the row in key order into rec's list (kk >= 1). sh.hist
-// holds the count of every first radix digit (sign, exponent, 2 mantissa bits) over
-// the row (dv_row_max_hist, the record's first pass); when the columns at or above
-// the k-th one's digit fit in shared memory they are gathered there and the remaining
-// digits are found among them (one more pass over the row); otherwise (many columns
-// share the digit) every remaining digit takes a pass over the row.
-template <typename Tag>
-__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  const DvRowSource<Tag> src{row, ncols, col0};
-  dv_find_bin(sh, 2048u, kk);
-  const unsigned bin = sh.found_bin, above = sh.found_above, eq = sh.hist[bin];
-  __syncthreads();
-  const unsigned ncand = above + eq;  // columns whose first digit is >= bin
-  if (ncand > DV_CAND_CAP) {
-    dv_select(src, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
-    return;
-  }
-  if (t == 0) sh.n_cand = 0;
-  __syncthreads();
-  for (unsigned c = t; c < ncols; c += B) {
-    unsigned key, id;
-    float val;
-    src.get(c, key, id, val);
-    if ((key >> 21) >= bin) {
-      const unsigned slot = atomicAdd(&sh.n_cand, 1u);
-      sh.cand_key[slot] = key;
-      sh.cand_id[slot] = id;
-      sh.cand_val[slot] = val;
-    }
-  }
-  __syncthreads();
-  const DvCandSource cands{&sh, ncand};
-  dv_select(cands, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
 }
 
 // f(x, c) for every column c < ncols of `row` (x its value as float), each thread
@@ -748,55 +731,39 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
-// Pass 1 of a top-k row: the first NaN and the first maximum of this thread's
-// columns (visited in increasing order, as dv_row_each does) and, into sh.hist, the
-// count of every first radix digit over the row (dv_row_top_k's first pass, fused).
-// Every loop's trip count is the same on every thread (dv_hist_add is warp-wide).
+// The top `kk` columns of the row in key order into rec's list (kk >= 1). sh.k.hist
+// holds the count of every first radix digit (sign, exponent, 2 mantissa bits) over
+// the row (dv_row_max_hist, the record's first pass); when the columns at or above
+// the k-th one's digit fit in shared memory they are gathered there and the remaining
+// digits are found among them (one more pass over the row); otherwise (many columns
+// share the digit) every remaining digit takes a pass over the row.
 template <typename Tag>
-__device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols,
-                                unsigned col0, unsigned& nan_id, unsigned& max_id, float& m,
-                                DvRecordShared& sh) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  for (unsigned i = t; i < 2048u; i += B) sh.hist[i] = 0;
+__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
+  const unsigned t = threadIdx.x;
+  const DvRowSource<Tag> src{row, ncols, col0};
+  dv_find_bin(sh, 2048u, kk);
+  const unsigned bin = sh.k.found_bin, above = sh.k.found_above, eq = sh.k.hist[bin];
   __syncthreads();
-  auto visit = [&](float x, unsigned c, bool valid) {
-    if (valid) {
-      if (argmax_isnan(x)) {
-        if (nan_id == DV_NO_ID) nan_id = col0 + c;
-      } else if (max_id == DV_NO_ID || x > m) {
-        m = x;
-        max_id = col0 + c;
-      }
+  const unsigned ncand = above + eq;  // columns whose first digit is >= bin
+  if (ncand > DV_CAND_CAP) {
+    dv_select(src, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
+    return;
+  }
+  if (t == 0) sh.k.n_cand = 0;
+  __syncthreads();
+  dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {  // 16-byte loads, 2 in flight
+    const unsigned key = dv_order_key(x);
+    if ((key >> 21) >= bin) {
+      const unsigned slot = atomicAdd(&sh.k.n_cand, 1u);
+      sh.k.cand_key[slot] = key;
+      sh.k.cand_id[slot] = col0 + c;
+      sh.k.cand_val[slot] = x == 0.0f ? 0.0f : x;
     }
-    dv_hist_add(sh.hist, dv_order_key(x) >> 21, valid);
-  };
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  for (unsigned c0 = 0; c0 < head; c0 += B) {
-    const unsigned c = c0 + t;
-    visit(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
-  }
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
-    const unsigned v = v0 + t;
-    ArgmaxVec16 a;
-    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
-    if (v < nvec) a = argmax_load16(vp + v);
-    float xs[E];
-    ArgmaxUnpack<Tag>::run(a, xs);
-#pragma unroll
-    for (unsigned j = 0; j < E; ++j) visit(xs[j], head + v * E + j, v < nvec);
-  }
-  const unsigned tail = head + nvec * E;
-  for (unsigned c0 = tail; c0 < ncols; c0 += B) {
-    const unsigned c = c0 + t;
-    visit(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
-  }
+  });
   __syncthreads();
+  const DvCandSource cands{&sh, ncand};
+  dv_select(cands, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
 }
 
 // f(x, c, valid) over the columns c < ncols of `row`, in column order per thread, with
@@ -840,6 +807,32 @@ __device__ __forceinline__ void dv_row_each_uniform(const typename Tag::Storage*
     const unsigned c = c0 + t;
     f(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
+}
+
+// Pass 1 of a top-k row: the first NaN and the first maximum of this thread's
+// columns (visited in increasing order, as dv_row_each_uniform does) and, into sh.k.hist, the
+// count of every first radix digit over the row (dv_row_top_k's first pass, fused).
+// Every loop's trip count is the same on every thread (dv_hist_add is warp-wide).
+template <typename Tag>
+__device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols,
+                                unsigned col0, unsigned& nan_id, unsigned& max_id, float& m,
+                                DvRecordShared& sh) {
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  for (unsigned i = t; i < 2048u; i += B) sh.k.hist[i] = 0;
+  __syncthreads();
+  auto visit = [&](float x, unsigned c, bool valid) {
+    if (valid) {
+      if (argmax_isnan(x)) {
+        if (nan_id == DV_NO_ID) nan_id = col0 + c;
+      } else if (max_id == DV_NO_ID || x > m) {
+        m = x;
+        max_id = col0 + c;
+      }
+    }
+    dv_hist_add(sh.k.hist, dv_order_key(x) >> 21, valid);
+  };
+  dv_row_each_uniform<Tag>(row, ncols, visit);
+  __syncthreads();
 }
 
 // Floats (no NaN) as unsigned in their order; -0 just below +0.
@@ -903,13 +896,17 @@ __device__ float dv_raw_bound(float s, float T, float m) {
 // dv_raw_bound of the first column's score can win. Each warp queues those in shared
 // memory and scores them 32 at a time, so the noise's Philox rounds run on full warps
 // whatever the share of such columns; a fast single-precision estimate then spares the
-// exact double-precision noise of the columns that cannot beat the lane's best.
+// exact double-precision noise of the columns that cannot beat the lane's best. The
+// scoring code sits at three places only (the head, the vectors, the tail), not once per
+// unrolled column: the kernel's instructions stay within the instruction caches.
 template <typename Tag>
 __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                             const DvParams& p, unsigned d, float m, unsigned max_id,
                             float& best_score, unsigned& best_id, float& best_val,
-                            DvRowShared& sh) {
-  const unsigned t = threadIdx.x, lane = t & 31u, W = dv_warp_width();
+                            DvRowShared& sh, DvQueue& q) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
   const dv_u64 key = dv_stream_key(p, d);
   const float T = p.temperature;
   const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
@@ -923,24 +920,11 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   best_id = max_id;
   best_val = m;
   const float xb = sh.bound;
-  float* qx = sh.qx[t >> 5];
-  unsigned* qid = sh.qid[t >> 5];
-  auto score = [&](float x, unsigned id) {
-    const float z = dv_fdiv(x, T);
-    if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win
-    const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
-    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-    // estimate with a wide margin skips the exact noise (NaN: keep)
-    if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
-    const float sc = dv_fadd(z, dv_gumbel(u));
-    if (dv_better(sc, id, best_score, best_id)) {
-      best_score = sc;
-      best_id = id;
-      best_val = x;
-    }
-  };
+  float* qx = q.x[t >> 5];
+  unsigned* qid = q.id[t >> 5];
   unsigned cnt = 0;  // the warp's queue length (the same on every lane)
-  dv_row_each_uniform<Tag>(row, ncols, [&](float x, unsigned c, bool valid) {
+  // queue column c (value x) if it passes the bound; every lane of the warp calls it
+  auto push = [&](float x, unsigned c, bool valid) {
     const bool pass = valid && x >= xb;
     const unsigned mask = __ballot_sync(DV_FULL, pass);
     if (pass) {
@@ -949,32 +933,90 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
       qid[slot] = col0 + c;
     }
     cnt += __popc(mask);
-    if (cnt >= W) {  // a full warp's worth: score it, keep the rest
-      __syncwarp();
-      score(qx[lane], qid[lane]);
-      if (lane + W < cnt) {
-        qx[lane] = qx[lane + W];
-        qid[lane] = qid[lane + W];
+  };
+  // score every full warp's worth of the queue, move the rest to its front
+  auto drain = [&]() {
+    if (cnt < W) return;  // uniform over the warp
+    __syncwarp();
+    unsigned base = 0;
+    for (; base + W <= cnt; base += W) {
+      const float x = qx[base + lane];
+      const unsigned id = qid[base + lane];
+      const float z = dv_fdiv(x, T);
+      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) continue;  // cannot win
+      const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
+      // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+      // estimate with a wide margin skips the exact noise (NaN: keep)
+      if (u < __expf(-__expf(z - best_score)) * 0.9999f) continue;
+      const float sc = dv_fadd(z, dv_gumbel(u));
+      if (dv_better(sc, id, best_score, best_id)) {
+        best_score = sc;
+        best_id = id;
+        best_val = x;
       }
-      cnt -= W;
-      __syncwarp();
     }
-  });
-  __syncwarp();
-  if (lane < cnt) score(qx[lane], qid[lane]);
+    // lane l reads and writes only its own slots here (l, base + l): no hazard
+    if (lane < cnt - base) {
+      qx[lane] = qx[base + lane];
+      qid[lane] = qid[base + lane];
+    }
+    cnt -= base;
+    __syncwarp();
+  };
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns: no drain needed
+    const unsigned c = c0 + t;
+    push(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
+  }
+  drain();
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  ArgmaxVec16 cur;
+  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
+  if (t < nvec) cur = argmax_load16(vp + t);
+  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
+    const unsigned v = v0 + t;
+    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
+    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
+    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(cur, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, v < nvec);
+    drain();
+    cur = nxt;
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
+    const unsigned c = c0 + t;
+    push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
+  }
+  drain();
+  // the leftovers (fewer than a warp's worth): pad the queue with the first column's
+  // score, which loses every comparison, and score one more round
+  if (cnt > 0) {
+    if (lane >= cnt) {
+      qx[lane] = m;
+      qid[lane] = max_id;
+    }
+    cnt = W;
+    drain();
+  }
   dv_block_best(sh.red, best_score, best_id, best_val);
 }
 
 // The record of one row: `ncols` counted columns (those below vocab_limit) starting at
 // global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
 // Every thread of the block calls it; rec is complete when it returns. kList: the
-// kernel holds the top-k selection's shared memory (`ls`); without it (kcap must be 0)
-// the row needs only `rs`, so more CTAs fit on an SM.
+// kernel holds the top-k selection's shared memory (`ls`, whose queue is `q`); without
+// it (kcap must be 0) the row needs only `rs` and `q`, so more CTAs fit on an SM.
 template <typename Tag, bool kList>
 __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                               const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
                               unsigned cand, unsigned digest, unsigned* rec, DvRowShared& rs,
-                              DvRecordShared* ls) {
+                              DvQueue& q, DvRecordShared* ls) {
   const unsigned t = threadIdx.x;
   // pass 1: first NaN, first maximum
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
@@ -1015,7 +1057,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
-    dv_row_temp<Tag>(row, ncols, col0, p, d, m, max_id, best_score, best_id, best_val, rs);
+    dv_row_temp<Tag>(row, ncols, col0, p, d, m, max_id, best_score, best_id, best_val, rs, q);
   } else if constexpr (kList) {
     if (list_len > 0) dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, *ls);
   }
@@ -1043,6 +1085,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
 #define DV_MERGE_MAX (8 * DV_TOPK_MAX)
 #define DV_MAX_N 64
 struct DvCombineShared {
+  unsigned hdr[DV_MAX_TP * DV_HDR];  // the row's record headers, source after source
   unsigned key[DV_MERGE_MAX];  // every source's list, source after source
   unsigned mid[DV_MERGE_MAX];
   float mval[DV_MERGE_MAX];
@@ -1079,12 +1122,19 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
   __syncthreads();
   for (unsigned d = 0; d < n; ++d) {
     const unsigned row = i * n + d;
+    // every source's record header into shared memory at once (one round of loads),
+    // then thread 0 decides from there
+    for (unsigned e = t; e < tp * DV_HDR; e += B) {
+      const unsigned s = e / DV_HDR;
+      sh.hdr[e] = recs[((dv_u64)s * rows_per_src + row) * rec_words + (e - s * DV_HDR)];
+    }
+    __syncthreads();
     if (t == 0) {
       bool has_nan = false;
       unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
       float mx = dv_neg_inf();
       for (unsigned s = 0; s < tp; ++s) {
-        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+        const unsigned* r = sh.hdr + s * DV_HDR;
         if (r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) {
           if (sh.bad_src == DV_NO_ID) sh.bad_src = s;
         }
@@ -1108,7 +1158,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           float bs = dv_neg_inf();
           unsigned bid = DV_NO_ID;
           for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+            const unsigned* r = sh.hdr + s * DV_HDR;
             const float sc = argmax_u2f(r[DV_W_BEST_SCORE]);
             if (dv_better(sc, r[DV_W_BEST_ID], bs, bid)) {
               bs = sc;
@@ -1122,7 +1172,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           sh.stream_key = dv_stream_key(p, d);
           unsigned at = 0;
           for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+            const unsigned* r = sh.hdr + s * DV_HDR;
             unsigned len = r[DV_W_LIST_LEN];
             if (len > kcap) len = kcap;
             sh.len[s] = len;
@@ -1241,7 +1291,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       float mx = dv_neg_inf();
       unsigned max_id = DV_NO_ID;
       for (unsigned s = 0; s < tp; ++s) {
-        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+        const unsigned* r = sh.hdr + s * DV_HDR;
         if (r[DV_W_FLAGS] & 1u) has_nan = true;
         const float v = argmax_u2f(r[DV_W_MAX_VAL]);
         if (dv_better(v, r[DV_W_MAX_ID], mx, max_id)) {
@@ -1252,7 +1302,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       if (!has_nan && argmax_isfinite(mx)) {
         double S = 0.0;
         for (unsigned s = 0; s < tp; ++s) {
-          const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
+          const unsigned* r = sh.hdr + s * DV_HDR;
           const float ms = argmax_u2f(r[DV_W_MAX_VAL]);
           if (!argmax_isfinite(ms)) continue;
           const double se = dv_u2d((dv_u64)r[DV_W_SUMEXP] | ((dv_u64)r[DV_W_SUMEXP + 1] << 32));
