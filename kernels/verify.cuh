@@ -485,7 +485,7 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 
 // -- the record of one row of one shard -------------------------------------------
 #ifndef DV_CAND_CAP
-#define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
+#define DV_CAND_CAP 4096  // candidates of the top-k selection held in shared memory
 #endif
 
 // What every row needs: the reductions and the temperature path's bound.
@@ -505,13 +505,12 @@ struct DvQueue {
 // The top-k selection's histogram, candidates and list.
 struct DvTopKShared {
   unsigned hist[2048];
-  unsigned cand_key[DV_CAND_CAP];
+  unsigned cand_key[DV_CAND_CAP];  // (the raw logit is dv_key_value of the key)
   unsigned cand_id[DV_CAND_CAP];
-  float cand_val[DV_CAND_CAP];
   unsigned sel_key[DV_TOPK_MAX];
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
-  unsigned found_bin, found_above, n_gt, n_eq, n_cand;
+  unsigned found_bin, found_above, n_gt, n_eq, n_cand, thr;
 };
 
 // A record kernel's shared memory without top-k lists (kcap == 0) ...
@@ -546,6 +545,12 @@ struct DvRowSource {
   }
 };
 
+// The raw logit of an order key, -0 read as +0 (dv_order_key's inverse; a NaN's key
+// gives a NaN).
+__device__ __forceinline__ float dv_key_value(unsigned key) {
+  return argmax_u2f((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
 // The candidates gathered in shared memory (any order).
 struct DvCandSource {
   const DvRecordShared* sh;
@@ -555,7 +560,7 @@ struct DvCandSource {
   __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
     key = sh->k.cand_key[i];
     id = sh->k.cand_id[i];
-    val = sh->k.cand_val[i];
+    val = dv_key_value(key);
   }
 };
 
@@ -731,41 +736,6 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
-// The top `kk` columns of the row in key order into rec's list (kk >= 1). sh.k.hist
-// holds the count of every first radix digit (sign, exponent, 2 mantissa bits) over
-// the row (dv_row_max_hist, the record's first pass); when the columns at or above
-// the k-th one's digit fit in shared memory they are gathered there and the remaining
-// digits are found among them (one more pass over the row); otherwise (many columns
-// share the digit) every remaining digit takes a pass over the row.
-template <typename Tag>
-__device__ void dv_row_top_k(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                             unsigned kk, unsigned kcap, unsigned* rec, DvRecordShared& sh) {
-  const unsigned t = threadIdx.x;
-  const DvRowSource<Tag> src{row, ncols, col0};
-  dv_find_bin(sh, 2048u, kk);
-  const unsigned bin = sh.k.found_bin, above = sh.k.found_above, eq = sh.k.hist[bin];
-  __syncthreads();
-  const unsigned ncand = above + eq;  // columns whose first digit is >= bin
-  if (ncand > DV_CAND_CAP) {
-    dv_select(src, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
-    return;
-  }
-  if (t == 0) sh.k.n_cand = 0;
-  __syncthreads();
-  dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {  // 16-byte loads, 2 in flight
-    const unsigned key = dv_order_key(x);
-    if ((key >> 21) >= bin) {
-      const unsigned slot = atomicAdd(&sh.k.n_cand, 1u);
-      sh.k.cand_key[slot] = key;
-      sh.k.cand_id[slot] = col0 + c;
-      sh.k.cand_val[slot] = x == 0.0f ? 0.0f : x;
-    }
-  });
-  __syncthreads();
-  const DvCandSource cands{&sh, ncand};
-  dv_select(cands, kk, 1, bin << 21, 0x7FFu << 21, kk - above, eq, kcap, rec, sh);
-}
-
 // f(x, c, valid) over the columns c < ncols of `row`, in column order per thread, with
 // the same trip count on every thread of the block (f may use warp intrinsics; valid is
 // false where a thread has no column): a scalar head up to the first 16-byte boundary,
@@ -809,17 +779,54 @@ __device__ __forceinline__ void dv_row_each_uniform(const typename Tag::Storage*
   }
 }
 
-// Pass 1 of a top-k row: the first NaN and the first maximum of this thread's
-// columns (visited in increasing order, as dv_row_each_uniform does) and, into sh.k.hist, the
-// count of every first radix digit over the row (dv_row_top_k's first pass, fused).
-// Every loop's trip count is the same on every thread (dv_hist_add is warp-wide).
-template <typename Tag>
-__device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols,
-                                unsigned col0, unsigned& nan_id, unsigned& max_id, float& m,
-                                DvRecordShared& sh) {
+// Raise the top-k pass's threshold: the lower edge of the first radix digit (sign,
+// exponent, 2 mantissa bits) that the kk-th largest of the nc candidates has. At least
+// kk candidates stay at or above it, so the row's first kk columns do too.
+__device__ void dv_cand_raise(DvRecordShared& sh, unsigned kk, unsigned nc) {
   const unsigned t = threadIdx.x, B = blockDim.x;
   for (unsigned i = t; i < 2048u; i += B) sh.k.hist[i] = 0;
   __syncthreads();
+  for (unsigned i = t; i < nc; i += B) atomicAdd(&sh.k.hist[sh.k.cand_key[i] >> 21], 1u);
+  __syncthreads();
+  dv_find_bin(sh, 2048u, kk);
+  if (t == 0) {
+    const unsigned thr = sh.k.found_bin << 21;
+    if (thr > sh.k.thr) sh.k.thr = thr;
+  }
+  __syncthreads();
+}
+
+// The only pass over a top-k row: the first NaN and the first maximum of this thread's
+// columns and, in shared memory, every column whose order key is at or above a
+// threshold that rises as candidates gather (dv_cand_raise), so that the first kk
+// columns of the row are among them. Each warp reserves its slots with one atomic.
+// Returns false when the candidates overflowed DV_CAND_CAP (many equal values): the
+// caller then selects over the row itself. Every thread calls it (trip counts uniform).
+template <typename Tag>
+__device__ bool dv_row_topk_pass(const typename Tag::Storage* row, unsigned ncols,
+                                 unsigned col0, unsigned kk, unsigned& nan_id,
+                                 unsigned& max_id, float& m, DvRecordShared& sh) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
+  const unsigned room = B * E;  // the most candidates one step adds
+  if (room + kk > DV_CAND_CAP) {  // no room to gather (a tiny DV_CAND_CAP): max, NaN only
+    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
+      if (argmax_isnan(x)) {
+        if (nan_id == DV_NO_ID) nan_id = col0 + c;
+      } else if (max_id == DV_NO_ID || x > m) {
+        m = x;
+        max_id = col0 + c;
+      }
+    });
+    return false;
+  }
+  if (t == 0) {
+    sh.k.n_cand = 0;
+    sh.k.thr = 0;
+  }
+  __syncthreads();
+  unsigned thr = 0;
   auto visit = [&](float x, unsigned c, bool valid) {
     if (valid) {
       if (argmax_isnan(x)) {
@@ -829,10 +836,76 @@ __device__ void dv_row_max_hist(const typename Tag::Storage* row, unsigned ncols
         max_id = col0 + c;
       }
     }
-    dv_hist_add(sh.k.hist, dv_order_key(x) >> 21, valid);
+    const unsigned key = dv_order_key(x);
+    const bool pass = valid && key >= thr;
+    const unsigned mask = __ballot_sync(DV_FULL, pass);
+    if (mask != 0u) {  // uniform over the warp
+      const unsigned leader = (unsigned)__ffs(mask) - 1u;
+      unsigned base = 0;
+      if (lane == leader) base = atomicAdd(&sh.k.n_cand, (unsigned)__popc(mask));
+      base = __shfl_sync(DV_FULL, base, (int)leader);
+      const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
+      if (pass && slot < DV_CAND_CAP) {
+        sh.k.cand_key[slot] = key;
+        sh.k.cand_id[slot] = col0 + c;
+      }
+    }
   };
-  dv_row_each_uniform<Tag>(row, ncols, visit);
-  __syncthreads();
+  // after each step: stop on overflow, raise the threshold when the next step may not fit
+  auto settle = [&]() -> bool {
+    __syncthreads();
+    const unsigned nc = sh.k.n_cand;
+    __syncthreads();  // every thread has read it before any adds to it again
+    if (nc > DV_CAND_CAP) return false;
+    if (nc + room > DV_CAND_CAP) dv_cand_raise(sh, kk, nc);
+    thr = sh.k.thr;
+    return true;
+  };
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  bool ok = true;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns
+    const unsigned c = c0 + t;
+    visit(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
+  }
+  ok = settle();
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  ArgmaxVec16 cur;
+  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
+  if (t < nvec) cur = argmax_load16(vp + t);
+  for (unsigned v0 = 0; v0 < nvec && ok; v0 += B) {
+    const unsigned v = v0 + t;
+    ArgmaxVec16 nxt;  // the next vector's load in flight
+    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
+    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(cur, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) visit(xs[j], head + v * E + j, v < nvec);
+    ok = settle();
+    cur = nxt;
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols && ok; c0 += B) {  // fewer than E columns
+    const unsigned c = c0 + t;
+    visit(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
+  }
+  if (ok) ok = settle();
+  if (!ok) {  // the rest of the row's maximum and first NaN (the columns not visited)
+    // every column again: the running values are per thread, the same columns again
+    // change nothing, and the ones a stop skipped are counted
+    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
+      if (argmax_isnan(x)) {
+        if (nan_id == DV_NO_ID || col0 + c < nan_id) nan_id = col0 + c;
+      } else if (max_id == DV_NO_ID || x > m || (x == m && col0 + c < max_id)) {
+        m = x;
+        max_id = col0 + c;
+      }
+    });
+  }
+  return ok;
 }
 
 // Floats (no NaN) as unsigned in their order; -0 just below +0.
@@ -1027,10 +1100,10 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
     if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
   }
+  bool gathered = false;  // the top-k pass's candidates are in ls
   if constexpr (kList) {
-    if (list_len > 0) {  // with the top-k selection's first histogram
-      dv_row_max_hist<Tag>(row, ncols, col0, nan_id, max_id, m, *ls);
-    }
+    if (list_len > 0)
+      gathered = dv_row_topk_pass<Tag>(row, ncols, col0, list_len, nan_id, max_id, m, *ls);
   }
   if (list_len == 0) {
     dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
@@ -1059,7 +1132,14 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
     dv_row_temp<Tag>(row, ncols, col0, p, d, m, max_id, best_score, best_id, best_val, rs, q);
   } else if constexpr (kList) {
-    if (list_len > 0) dv_row_top_k<Tag>(row, ncols, col0, list_len, kcap, rec, *ls);
+    if (list_len > 0) {  // the first list_len columns in key order: a radix select
+      if (gathered)
+        dv_select(DvCandSource{ls, ls->k.n_cand}, list_len, 0, 0u, 0u, list_len, 0u, kcap,
+                  rec, *ls);
+      else
+        dv_select(DvRowSource<Tag>{row, ncols, col0}, list_len, 0, 0u, 0u, list_len, 0u, kcap,
+                  rec, *ls);
+    }
   }
   if (t == 0) {
     rec[DV_W_FLAGS] = has_nan ? 1u : 0u;
@@ -1097,6 +1177,9 @@ struct DvCombineShared {
   float m_score[DV_TOPK_MAX];
   double m_grp[DV_TOPK_MAX];
   dv_i64 m_a[DV_TOPK_MAX];
+  dv_i64 m_before[DV_TOPK_MAX];  // top-p: the fixed-point mass before each entry
+  dv_i64 mass_total;             // top-p: W, the first k's
+  DvShared red;
   int tok[DV_MAX_N];
   float tok_val[DV_MAX_N];
   float lp[DV_MAX_N];
@@ -1180,6 +1263,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
             at += len;
           }
           sh.off[tp] = at;
+          sh.mass_total = 0;
         }
       }
       sh.mode = decided ? -1 : DV_TOPK;
@@ -1241,44 +1325,51 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
-      if (t == 0) {
+      // top-p: each entry's fixed-point mass before it, every entry at once (entry j
+      // sums the entries before it group by group, as layout's serial loop does; the
+      // last one adds its own for the total W)
+      if (use_p) {
         const double top = sh.m_grp[0];
-        dv_i64 thr = 0;
-        if (use_p) {
-          dv_i64 S[7] = {0, 0, 0, 0, 0, 0, 0};
-          for (unsigned j = 0; j < k; ++j) {
-            const double dd = top - sh.m_grp[j];
+        for (unsigned j = t; j < k; j += B) {
+          dv_i64 P[7] = {0, 0, 0, 0, 0, 0, 0};
+          for (unsigned i = 0; i < j; ++i) {
+            const double dd = top - sh.m_grp[i];
             for (int g = 0; g < 7; ++g)
-              if (dd == (double)g) S[g] += sh.m_a[j];
+              if (dd == (double)g) P[g] += sh.m_a[i];
           }
-          dv_i64 W = 0;
-          for (int g = 0; g < 7; ++g) W += S[g] >> (8 * g);
-          thr = dv_top_p_threshold(p.top_p, W);
-        }
-        const bool use_m = p.min_p > 0.0f;
-        const float zmax = dv_fdiv(sh.m_val[0], T);
-        const float thr_z = use_m ? dv_fadd(zmax, dv_min_p_log(p.min_p)) : 0.0f;
-        dv_i64 P[7] = {0, 0, 0, 0, 0, 0, 0};
-        float bs = dv_neg_inf();
-        unsigned bid = DV_NO_ID;
-        float bval = dv_nan();
-        for (unsigned j = 0; j < k; ++j) {
-          bool kept = true;
-          if (use_p) {
-            dv_i64 before = 0;
-            for (int g = 0; g < 7; ++g) before += P[g] >> (8 * g);
-            kept = before < thr;
+          dv_i64 before = 0;
+          for (int g = 0; g < 7; ++g) before += P[g] >> (8 * g);
+          sh.m_before[j] = before;
+          if (j + 1 == k) {
             const double dd = top - sh.m_grp[j];
             for (int g = 0; g < 7; ++g)
               if (dd == (double)g) P[g] += sh.m_a[j];
-          }
-          if (use_m && !(sh.m_z[j] >= thr_z)) kept = false;
-          if (kept && dv_better(sh.m_score[j], sh.m_id[j], bs, bid)) {
-            bs = sh.m_score[j];
-            bid = sh.m_id[j];
-            bval = sh.m_val[j];
+            dv_i64 W = 0;
+            for (int g = 0; g < 7; ++g) W += P[g] >> (8 * g);
+            sh.mass_total = W;
           }
         }
+        __syncthreads();
+      }
+      const dv_i64 thr = use_p ? dv_top_p_threshold(p.top_p, sh.mass_total) : 0;
+      const bool use_m = p.min_p > 0.0f;
+      const float thr_z =
+          use_m && k > 0 ? dv_fadd(dv_fdiv(sh.m_val[0], T), dv_min_p_log(p.min_p)) : 0.0f;
+      // the best (score desc, id asc) kept entry: a block reduction
+      float bs = dv_neg_inf();
+      unsigned bid = DV_NO_ID;
+      float bval = dv_nan();
+      for (unsigned j = t; j < k; j += B) {
+        bool kept = !use_p || sh.m_before[j] < thr;
+        if (use_m && !(sh.m_z[j] >= thr_z)) kept = false;
+        if (kept && dv_better(sh.m_score[j], sh.m_id[j], bs, bid)) {
+          bs = sh.m_score[j];
+          bid = sh.m_id[j];
+          bval = sh.m_val[j];
+        }
+      }
+      dv_block_best(sh.red, bs, bid, bval);
+      if (t == 0) {
         sh.tok[d] = (int)bid;
         sh.tok_val[d] = bval;
       }

@@ -83,9 +83,10 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 )
 
 
-#: The top-k selection's shared-memory candidate capacity: the default, and one so small
-#: that most rows take the path that reads the row once per radix digit.
-CAND_CAPS = {"candidates": None, "row-passes": 16}
+#: The top-k selection's shared-memory candidate capacity: the default; one so small that
+#: the threshold rises (and may overflow) on the wide shards of the tests; one so small
+#: that every row takes the path that reads the row once per radix digit.
+CAND_CAPS = {"candidates": None, "raised": 320, "row-passes": 16}
 
 
 @pytest.fixture(scope="module", params=sorted(CAND_CAPS))
@@ -458,6 +459,58 @@ def test_temperature_queues_on_wide_shards(lib: Any, block: int) -> None:
             scale=scale,
             block=block,
         )
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_top_k_on_wide_shards(lib: Any, block: int) -> None:
+    # the top-k pass gathers the columns at or above a threshold that rises as they
+    # gather: wide shards (several raises with the "raised" capacity, an overflow back to
+    # the row passes on the tie rows), every dtype, with and without top-p / min-p
+    for k, (dtype, mode, specials) in enumerate(
+        [
+            ("float32", "top_k", True),
+            ("bfloat16", "top_k_top_p", False),
+            ("float16", "top_k_min_p", False),
+        ]
+    ):
+        _case(
+            lib,
+            50 + k,
+            tp=2,
+            vs=1501,
+            n=2,
+            pad_bs=4 if specials else 2,
+            dtype=dtype,
+            mode=mode,
+            specials=specials,
+            block=block,
+        )
+
+
+def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
+    # top-k 3: the first 256 columns hold three 1.0 (the third largest so far, on the
+    # lower edge of its radix digit [1.0, 1.25)) among -100; the threshold rises there
+    # (with the "raised" capacity) and later columns of the same digit, 1.1 and 1.2, must
+    # still be gathered: they are the row's first three
+    tp, vs, n, pad_bs = 1, 1000, 1, 8
+    g = np.random.default_rng(24)
+    full = np.full((pad_bs, vs), -100.0, np.float32)
+    full[:, [5, 70, 200]] = 1.0
+    full[:, 600] = 1.1
+    full[:, [800, 990]] = 1.2
+    prm = {
+        "temperature": np.ones(pad_bs, np.float32),
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": np.full(pad_bs, 3, np.int32),
+        "top_p": None,
+        "min_p": None,
+    }
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, _, _ = run_kernels(lib, [full], cand, prm, dtype="float32", block=32)
+    want = reference_verify_batch_vocab([full], cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
+    assert np.isin(want[0], [600, 800, 990]).all()
+    assert np.array_equal(got[0], want[0])
 
 
 @pytest.mark.parametrize("block", [8, 32, 256])

@@ -100,13 +100,14 @@ ARGMAX_CTAS_PER_SM = 4
 
 
 def _resident_ctas(kernel: Any, block: int) -> int:
-    """CTAs of ``block`` threads of ``kernel`` (a loaded ``cupy.RawKernel`` function)
-    that fit on one SM at once, by the driver's occupancy calculator (its registers and
-    static shared memory); ``ARGMAX_CTAS_PER_SM`` when the driver cannot say."""
+    """CTAs of ``block`` threads of ``kernel`` (a loaded ``cupy.RawKernel``) that fit on
+    one SM at once, by the driver's occupancy calculator (its registers and static shared
+    memory); ``ARGMAX_CTAS_PER_SM`` when the driver cannot say."""
     import cupy
 
     try:
-        n = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, block, 0))
+        func = getattr(kernel, "kernel", kernel)  # RawKernel -> its cuda.function.Function
+        n = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func.ptr, block, 0))
     except Exception:  # an old driver or CuPy without the call: the fixed guess
         return ARGMAX_CTAS_PER_SM
     return n if n > 0 else ARGMAX_CTAS_PER_SM
