@@ -491,12 +491,12 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 // What every row needs: the reductions and the temperature path's bound.
 struct DvRowShared {
   DvShared red;
-  float init_score, bound;
+  float bound;
 };
 
 // Each warp's queue of the columns that pass the temperature path's bound
-// (dv_row_temp): room for a warp's leftover (< 32) plus one 16-byte vector per lane.
-#define DV_QCAP (32 * 9)
+// (dv_row_temp): room for a warp's leftover (< 64) plus one 16-byte vector per lane.
+#define DV_QCAP (32 * 10)
 struct DvQueue {
   float x[DV_WARPS][DV_QCAP];
   unsigned id[DV_WARPS][DV_QCAP];
@@ -964,17 +964,20 @@ __device__ float dv_raw_bound(float s, float T, float m) {
 }
 
 // The best (score desc, id asc) column of a TEMP row of one shard: m (its column
-// max_id) is the shard's maximum, no column is NaN. Each column's score is
-// float32(x / T) + noise; the noise is below DV_G_BOUND, so only columns at or above
-// dv_raw_bound of the first column's score can win. Each warp queues those in shared
-// memory and scores them 32 at a time, so the noise's Philox rounds run on full warps
-// whatever the share of such columns; a fast single-precision estimate then spares the
-// exact double-precision noise of the columns that cannot beat the lane's best. The
-// scoring code sits at three places only (the head, the vectors, the tail), not once per
-// unrolled column: the kernel's instructions stay within the instruction caches.
+// max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
+// column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
+// DV_G_BOUND: only columns at or above dv_raw_bound of a score already reached can win.
+// That first score is the best of every thread's own maximum (one noise per thread, near
+// the row's final best, so the bound spares nearly every column that cannot win). Each
+// warp queues the columns that pass in shared memory and scores them 64 at a time, two
+// per lane (two independent Philox chains), so the noise runs on full warps whatever
+// the share of such columns; a fast single-precision estimate then spares the exact
+// double-precision noise of the columns that cannot beat the lane's best. The scoring
+// code sits at three places only (head, vectors, tail), not once per unrolled column:
+// the kernel's instructions stay within the instruction caches.
 template <typename Tag>
 __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                            const DvParams& p, unsigned d, float m, unsigned max_id,
+                            const DvParams& p, unsigned d, float m, float my_m, unsigned my_id,
                             float& best_score, unsigned& best_id, float& best_val,
                             DvRowShared& sh, DvQueue& q) {
   typedef typename Tag::Storage S;
@@ -983,16 +986,20 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   const dv_u64 key = dv_stream_key(p, d);
   const float T = p.temperature;
   const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
-  if (t == 0) {
-    const float s0 = dv_fadd(dv_fdiv(m, T), dv_noise(key, max_id));
-    sh.init_score = s0;
-    sh.bound = dv_raw_bound(s0, T, m);
+  best_score = dv_neg_inf();
+  best_id = DV_NO_ID;
+  best_val = dv_neg_inf();
+  if (my_id != DV_NO_ID) {
+    best_score = dv_fadd(dv_fdiv(my_m, T), dv_noise(key, my_id));
+    best_id = my_id;
+    best_val = my_m;
   }
+  dv_block_best(sh.red, best_score, best_id, best_val);
+  if (t == 0) sh.bound = dv_raw_bound(best_score, T, m);  // m's score is at most this
   __syncthreads();
-  best_score = sh.init_score;
-  best_id = max_id;
-  best_val = m;
   const float xb = sh.bound;
+  const float first_val = best_val;  // a column that never beats the best (queue padding)
+  const unsigned first_id = best_id;
   float* qx = q.x[t >> 5];
   unsigned* qid = q.id[t >> 5];
   unsigned cnt = 0;  // the warp's queue length (the same on every lane)
@@ -1007,33 +1014,42 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     }
     cnt += __popc(mask);
   };
-  // score every full warp's worth of the queue, move the rest to its front
+  // the rest of one queued column's score, its uniform u known
+  auto finish = [&](float x, unsigned id, float z, float u) {
+    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+    // estimate with a wide margin skips the exact noise (NaN: keep)
+    if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win
+    if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
+    const float sc = dv_fadd(z, dv_gumbel(u));
+    if (dv_better(sc, id, best_score, best_id)) {
+      best_score = sc;
+      best_id = id;
+      best_val = x;
+    }
+  };
+  // score every two warps' worth of the queue, move the rest to its front
   auto drain = [&]() {
-    if (cnt < W) return;  // uniform over the warp
+    if (cnt < 2 * W) return;  // uniform over the warp
     __syncwarp();
     unsigned base = 0;
-    for (; base + W <= cnt; base += W) {
-      const float x = qx[base + lane];
-      const unsigned id = qid[base + lane];
-      const float z = dv_fdiv(x, T);
-      if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) continue;  // cannot win
-      const float u = dv_uniform(dv_philox32_w0(id, k0, k1));
-      // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-      // estimate with a wide margin skips the exact noise (NaN: keep)
-      if (u < __expf(-__expf(z - best_score)) * 0.9999f) continue;
-      const float sc = dv_fadd(z, dv_gumbel(u));
-      if (dv_better(sc, id, best_score, best_id)) {
-        best_score = sc;
-        best_id = id;
-        best_val = x;
-      }
+    for (; base + 2 * W <= cnt; base += 2 * W) {
+      const float xa = qx[base + lane], xc = qx[base + W + lane];
+      const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
+      const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
+      finish(xa, ia, dv_fdiv(xa, T), dv_uniform(wa));
+      finish(xc, ic, dv_fdiv(xc, T), dv_uniform(wc));
     }
-    // lane l reads and writes only its own slots here (l, base + l): no hazard
-    if (lane < cnt - base) {
+    // lane l reads and writes only slots l, W + l, base + l, base + W + l: no hazard
+    const unsigned rest = cnt - base;
+    if (lane < rest) {
       qx[lane] = qx[base + lane];
       qid[lane] = qid[base + lane];
     }
-    cnt -= base;
+    if (W + lane < rest) {
+      qx[W + lane] = qx[base + W + lane];
+      qid[W + lane] = qid[base + W + lane];
+    }
+    cnt = rest;
     __syncwarp();
   };
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
@@ -1067,14 +1083,18 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
   drain();
-  // the leftovers (fewer than a warp's worth): pad the queue with the first column's
-  // score, which loses every comparison, and score one more round
+  // the leftovers (fewer than two warps' worth): pad the queue with the first best's
+  // column, which never beats the best, and score one more round
   if (cnt > 0) {
     if (lane >= cnt) {
-      qx[lane] = m;
-      qid[lane] = max_id;
+      qx[lane] = first_val;
+      qid[lane] = first_id;
     }
-    cnt = W;
+    if (W + lane >= cnt) {
+      qx[W + lane] = first_val;
+      qid[W + lane] = first_id;
+    }
+    cnt = 2 * W;
     drain();
   }
   dv_block_best(sh.red, best_score, best_id, best_val);
@@ -1115,6 +1135,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
       }
     });
   }
+  const float my_m = m;  // this thread's own maximum (the temperature path's start)
+  const unsigned my_id = max_id;
   nan_id = dv_block_min(rs.red, nan_id);
   float unused = 0.0f;
   dv_block_best(rs.red, m, max_id, unused);
@@ -1130,7 +1152,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
-    dv_row_temp<Tag>(row, ncols, col0, p, d, m, max_id, best_score, best_id, best_val, rs, q);
+    dv_row_temp<Tag>(row, ncols, col0, p, d, m, my_m, my_id, best_score, best_id, best_val, rs,
+                     q);
   } else if constexpr (kList) {
     if (list_len > 0) {  // the first list_len columns in key order: a radix select
       if (gathered)
