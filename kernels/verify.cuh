@@ -779,19 +779,47 @@ __device__ __forceinline__ void dv_row_each_uniform(const typename Tag::Storage*
   }
 }
 
-// Raise the top-k pass's threshold: the lower edge of the first radix digit (sign,
-// exponent, 2 mantissa bits) that the kk-th largest of the nc candidates has. At least
-// kk candidates stay at or above it, so the row's first kk columns do too.
+// Raise the top-k pass's threshold to the lower edge of the first radix digit (sign,
+// exponent, 2 mantissa bits) that the kk-th largest of the nc candidates has, and keep
+// only the candidates at or above it (at least kk: the row's first kk columns stay among
+// them). The compaction runs in place, a block's worth per round: every read of a round
+// comes before its writes (a barrier), and a round writes below the entries read so far.
 __device__ void dv_cand_raise(DvRecordShared& sh, unsigned kk, unsigned nc) {
-  const unsigned t = threadIdx.x, B = blockDim.x;
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
   for (unsigned i = t; i < 2048u; i += B) sh.k.hist[i] = 0;
   __syncthreads();
   for (unsigned i = t; i < nc; i += B) atomicAdd(&sh.k.hist[sh.k.cand_key[i] >> 21], 1u);
   __syncthreads();
   dv_find_bin(sh, 2048u, kk);
+  unsigned thr = sh.k.found_bin << 21;
+  if (thr < sh.k.thr) thr = sh.k.thr;
+  __syncthreads();  // every thread has read the old threshold
   if (t == 0) {
-    const unsigned thr = sh.k.found_bin << 21;
-    if (thr > sh.k.thr) sh.k.thr = thr;
+    sh.k.thr = thr;
+    sh.k.n_cand = 0;  // the kept count, as the rounds below write them
+  }
+  __syncthreads();
+  for (unsigned r0 = 0; r0 < nc; r0 += B) {
+    const unsigned i = r0 + t;
+    unsigned key = 0, id = 0;
+    if (i < nc) {
+      key = sh.k.cand_key[i];
+      id = sh.k.cand_id[i];
+    }
+    const bool keep = i < nc && key >= thr;
+    __syncthreads();  // the round's reads before any of its writes
+    const unsigned mask = __ballot_sync(DV_FULL, keep);
+    if (mask != 0u) {  // uniform over the warp
+      const unsigned leader = (unsigned)__ffs(mask) - 1u;
+      unsigned base = 0;
+      if (lane == leader) base = atomicAdd(&sh.k.n_cand, (unsigned)__popc(mask));
+      base = __shfl_sync(DV_FULL, base, (int)leader);
+      if (keep) {
+        const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
+        sh.k.cand_key[slot] = key;
+        sh.k.cand_id[slot] = id;
+      }
+    }
   }
   __syncthreads();
 }
