@@ -433,9 +433,11 @@ extern "C" __global__ void __launch_bounds__(DP_ARGMAX_BLOCK)
 }
 
 // verify_batch_vocab (issue 24): sampled verify without moving logits, two launches.
-// dp_verify_push: every CTA reduces real rows of this rank's shard to records
+// dp_verify_push: every CTA reduces real rows of this rank's shard (or, with splits > 1,
+// column blocks of them: more CTAs per row when the batch is small) to records
 // (verify.cuh) written straight into the row owner's verify region (parity e & 1, slot
-// [this rank][row of the owner]), then publishes them as the swap publishes its tiles:
+// [this rank * splits + block][row of the owner]), then publishes them as the swap
+// publishes its tiles:
 // a counter bump per CTA, and the last CTA alone fences, signals every peer's flag and
 // waits for every peer's (signature: op, dtype, pad_bs, bs). dp_verify_finish, next on
 // the stream: every CTA combines this rank's real requests from the region the push
@@ -469,22 +471,32 @@ __device__ void dp_report_value(const DpDesc& d, u32 req, u32 why, u32 bits, u32
 template <typename Tag, bool kList>
 __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
-                                                 u32 digest, u32 real_rows, u32 rpd, u32 ncols,
-                                                 u32 limit, u64 region, u32 sig,
-                                                 DvRowShared& rs, DvQueue& qu, DvRecordShared* ls) {
+                                                 u32 digest, u32 real_rows, u32 splits,
+                                                 u32 rpd, u32 ncols, u32 limit, u64 region,
+                                                 u32 sig, DvRowShared& rs, DvQueue& qu,
+                                                 DvRecordShared* ls) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
   const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
   const u64 rec_words = DV_HDR + 2 * kcap;
-  for (u32 g = blockIdx.x; g < real_rows; g += gridDim.x) {
+  // a row in `splits` column blocks (a multiple of 8 columns each, so each block starts
+  // 16-byte aligned when the row does), each its own record: source rank * splits + block
+  const u32 cs = ((ncols + splits - 1u) / splits + 7u) & ~7u;
+  const u32 units = real_rows * splits;
+  for (u32 u = blockIdx.x; u < units; u += gridDim.x) {
+    const u32 g = u / splits, sp = u - g * splits;
     const u32 req = g / d.n, pos = g - req * d.n;
     const u32 dest = g / rpd, i = g - dest * rpd;
+    const u32 c0 = sp * cs;  // the block's first column in the shard
+    const u32 nc = local_limit > c0 ? (local_limit - c0 < cs ? local_limit - c0 : cs) : 0u;
     u32 bad, bits, dg = digest;
     const DvParams p = dv_load_params(q, req, limit, &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
-    unsigned* rec = (unsigned*)(peers[dest] + region) + ((u64)d.rank * rpd + i) * rec_words;
-    dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols, local_limit, col0, p,
-                       pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs, qu, ls);
+    unsigned* rec = (unsigned*)(peers[dest] + region) +
+                    (((u64)d.rank * splits + sp) * rpd + i) * rec_words;
+    dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols + c0, nc,
+                              col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs,
+                              qu, ls);
   }
 }
 
@@ -492,7 +504,8 @@ template <bool kList>
 __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature,
                                             u64 top_k, u64 top_p, u64 min_p, u64 seed,
                                             u64 offset, i64 kcap, i64 want_lp, i64 digest,
-                                            u64 bs_ptr, i64 bs_host, const DpDesc& d,
+                                            u64 bs_ptr, i64 bs_host, i64 splits,
+                                            const DpDesc& d,
                                             i64 pad_bs, i64 ncols, i64 vocab_limit,
                                             i64 dtype_code, u64 sig, u64 region_off,
                                             i64 region_bytes, DvRowShared& rs,
@@ -503,20 +516,21 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
   const u64 region = region_off + (u64)(parity & d.parity_mask) * (u64)region_bytes;
   const u32 rpd = (u32)(pad_bs / d.tp) * d.n;
   const u32 real_rows = s.bs * d.n;
-  const u32 active = dp_active_ctas(real_rows);  // see dp_swap_push
+  const u32 sp = (u32)splits;
+  const u32 active = dp_active_ctas((u64)real_rows * sp);  // see dp_swap_push
   if (s.broken || blockIdx.x >= active) return;
   const int* cand = (const int*)cand_ptr;
   const DvParamPtrs q{temperature, top_k, top_p, min_p, seed, offset};
   const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
-    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim,
+    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim,
                                  region, full_sig, rs, qu, ls);
   else if (dtype_code == 2)
-    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim, region,
                                 full_sig, rs, qu, ls);
   else
-    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, rpd, nc, lim, region,
+    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim, region,
                                 full_sig, rs, qu, ls);
 
   __shared__ u32 last;
@@ -551,31 +565,32 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
     dp_verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
                    u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
-                   u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
-                   i64 dtype_code, u64 sig, u64 region_off, i64 region_bytes) {
+                   u64 bs_ptr, i64 bs_host, i64 splits, DpDesc d, i64 pad_bs, i64 ncols,
+                   i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
+                   i64 region_bytes) {
   __shared__ DvRecordShared sh;
   verify_push<true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
-                    want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit, dtype_code,
-                    sig, region_off, region_bytes, sh.row, sh.q, &sh);
+                    want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
+                    dtype_code, sig, region_off, region_bytes, sh.row, sh.q, &sh);
 }
 
 // kcap == 0 (no row has top-k): the same, with a few KB of shared memory per CTA.
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
     dp_verify_push_nolist(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
                           u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,
-                          i64 digest, u64 bs_ptr, i64 bs_host, DpDesc d, i64 pad_bs,
-                          i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
-                          i64 region_bytes) {
+                          i64 digest, u64 bs_ptr, i64 bs_host, i64 splits, DpDesc d,
+                          i64 pad_bs, i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig,
+                          u64 region_off, i64 region_bytes) {
   __shared__ DvRowQueueShared sh;
   verify_push<false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
-                     want_lp, digest, bs_ptr, bs_host, d, pad_bs, ncols, vocab_limit,
+                     want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
                      dtype_code, sig, region_off, region_bytes, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)
     dp_verify_finish(u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p, u64 min_p, u64 seed,
                      u64 offset, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
-                     DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig, u64 region_off,
+                     i64 splits, DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig, u64 region_off,
                      i64 region_bytes, u64 out_predict, u64 out_accept_index,
                      u64 out_accept_length, u64 out_logprobs) {
   __shared__ DvCombineShared sh;
@@ -594,14 +609,14 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
     u32 bad, bits, dg = (u32)digest;
     const DvParams p = dv_load_params(q, req, (u32)vocab_limit, &bad, &bits, &dg);
     const unsigned mismatch = dv_combine_request(
-        region, d.tp, R * n, rec_words, (u32)kcap, i, n, p, cand + (u64)req * n, dg,
+        region, d.tp * (u32)splits, R * n, rec_words, (u32)kcap, i, n, p, cand + (u64)req * n, dg,
         want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
         (int*)out_accept_index + (u64)i * n, (int*)out_accept_length + i,
         (float*)out_logprobs + (u64)i * n, sh);
     if (mismatch != DV_NO_ID) {  // uniform over the CTA
       if (threadIdx.x == 0) {
         const unsigned* r = region + ((u64)mismatch * R * n + (u64)i * n) * rec_words;
-        dp_report(d, DP_ERR_PARAMS, mismatch, s.sig, e,
+        dp_report(d, DP_ERR_PARAMS, mismatch / (u32)splits, s.sig, e,
                   ((u64)r[DV_W_CAND] << 32) | r[DV_W_DIGEST]);
       }
       return;

@@ -24,6 +24,10 @@ from _cuda_emulation import HEADER, LAUNCH, build
 from _verify_bodies import params
 
 from ipc_dpsample.backends.verify_plan import (
+    DV_MAX_SOURCES,
+    DV_MERGE_MAX,
+    SPLIT_MIN_COLUMNS,
+    SPLIT_TARGET_UNITS,
     call_digest,
     kernel_path_refusal,
     list_cap,
@@ -31,6 +35,7 @@ from ipc_dpsample.backends.verify_plan import (
     param_bytes,
     param_offsets,
     record_words,
+    verify_splits,
 )
 from ipc_dpsample.layout import reference_verify_batch_vocab, verify_params
 from ipc_dpsample.protocol import Dtype
@@ -136,6 +141,7 @@ def run_kernels(
     raw_params: bool = False,
     digests: list[int] | None = None,
     prms: list[dict[str, Any]] | None = None,
+    splits: int = 1,
 ) -> tuple[tuple[np.ndarray, ...], list[int], list[int]]:
     """Records on every rank, the all-to-all, the combine on every owner; returns
     (predict, accept_index, accept_length, logprobs) of the whole batch, every owner's
@@ -144,7 +150,9 @@ def run_kernels(
     ``raw_params``: the kernels read the caller's arrays as given (what a call with
     device parameters does: no host validation, list capacity 128 with top-k); else the
     host-normalised copy (:func:`pack_params`). ``digests`` / ``prms``: a call digest /
-    parameters per rank (ranks that disagree)."""
+    parameters per rank (ranks that disagree). ``splits``: each rank's shard in that many
+    column blocks, one record each (what the one-sided push does for small batches), the
+    owners combining ``tp * splits`` records per row."""
     tp = len(shards)
     pad_bs, n = cand.shape
     rows, vs = shards[0].shape
@@ -185,16 +193,21 @@ def run_kernels(
     bs_ptr, bs_host = (_addr(bs_word), -5) if bs_on_device else (0, real)
     code = int(Dtype[dtype.upper()])
     records, values = [], []
+    cs = ((vs + splits - 1) // splits + 7) & ~7  # columns per block, as onesided.cu
     for s in range(tp):
-        out = np.full((rows, words), POISON, np.uint32)
         ev = np.zeros(1, np.uint32)
-        dg = digest if digests is None else digests[s]
-        args = [_addr(shards[s]), _addr(cand), *ptrs[s], cap, int(want_lp), dg, bs_ptr, bs_host]
-        args += [rows, vs, s * vs, limit, code, n, _addr(out), _addr(ev)]
-        # the kernel the backends launch: without top-k lists, the one with less shared memory
-        records_kernel = lib.emu_records if cap else lib.emu_records_nolist
-        records_kernel(grid, block, _addr(_words(args)))
-        records.append(out)
+        for b in range(splits):
+            block_cols = np.ascontiguousarray(shards[s][:, b * cs : (b + 1) * cs])
+            keep.append(block_cols)
+            out = np.full((rows, words), POISON, np.uint32)
+            dg = digest if digests is None else digests[s]
+            args = [_addr(block_cols), _addr(cand), *ptrs[s], cap, int(want_lp), dg]
+            args += [bs_ptr, bs_host, rows, block_cols.shape[1], s * vs + b * cs, limit, code, n]
+            args += [_addr(out), _addr(ev)]
+            # the kernel the backends launch: without top-k lists, less shared memory
+            records_kernel = lib.emu_records if cap else lib.emu_records_nolist
+            records_kernel(grid, block, _addr(_words(args)))
+            records.append(out)
         values.append(int(ev[0]))
     r = pad_bs // tp
     predict = np.full((pad_bs, n), POISON, np.int32)
@@ -208,7 +221,7 @@ def run_kernels(
         err = np.zeros(1, np.uint32)
         dg = digest if digests is None else digests[o]
         args = [_addr(cand), *ptrs[o], cap, int(want_lp), dg, bs_ptr, bs_host, _addr(recs)]
-        args += [tp, r, n, o * r, limit, *(_addr(a) for a in outs), _addr(err)]
+        args += [tp * splits, r, n, o * r, limit, *(_addr(a) for a in outs), _addr(err)]
         lib.emu_combine(grid, block, _addr(_words(args)))
         errors.append(int(err[0]))
     return (predict, accept_index, accept_length, logprobs), errors, values
@@ -290,6 +303,7 @@ def _case(
     specials: bool = False,
     block: int = 32,
     raw_params: bool = False,
+    splits: int = 1,
 ) -> None:
     g = np.random.default_rng([seed, tp, vs, n, pad_bs])
     v = vs * tp
@@ -316,6 +330,7 @@ def _case(
         want_lp=want_lp,
         block=block,
         raw_params=raw_params,
+        splits=splits,
     )
     assert errors == [0] * tp and values == [0] * tp
     real = pad_bs if bs is None else bs
@@ -539,6 +554,61 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     assert np.array_equal(got[0], want[0])
     last = np.isin(want[0][:, 0], [(s + 1) * vs - 1 for s in range(tp)])
     assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_column_blocks_combine_like_shards(lib: Any, splits: int) -> None:
+    # small batches: the one-sided push splits each shard row into column blocks, one
+    # record each (the last ones may be empty), and the owners combine tp * splits
+    # records per row; every mode, the three dtypes, vocab_limit cutting blocks
+    for k, (dtype, mode) in enumerate(
+        [
+            ("float32", "mixed"),
+            ("bfloat16", "temperature"),
+            ("float16", "top_k_top_p"),
+            ("float32", "top_k_min_p"),
+        ]
+    ):
+        _case(
+            lib,
+            60 + k,
+            tp=2,
+            vs=203,
+            n=2,
+            pad_bs=4,
+            dtype=dtype,
+            mode=mode,
+            specials=mode == "mixed",
+            vocab_limit=350 if k % 2 else None,
+            splits=splits,
+        )
+
+
+def test_verify_splits_stay_within_what_the_owners_hold() -> None:
+    region = 8 * (256 // 8 * 4) * 268  # u32 of one parity at tp=8, max_pad_bs=256, N=4
+    shard = 152064 // 8
+    assert verify_splits(rows=32, tp=8, vocab_shard=shard, cap=0, region_words=region) == 8
+    assert verify_splits(rows=32, tp=8, vocab_shard=shard, cap=50, region_words=region) == 2
+    assert verify_splits(rows=32, tp=8, vocab_shard=shard, cap=128, region_words=region) == 1
+    assert verify_splits(rows=1024, tp=8, vocab_shard=shard, cap=0, region_words=region) == 1
+    for rows in (1, 4, 32, 100, 512, 4096):
+        for tp in (1, 2, 3, 8, 64):
+            for cap in (0, 2, 50, 128):
+                for shard in (97, 2048, 19008, 152064):
+                    if tp * cap > DV_MERGE_MAX:
+                        continue
+                    words = tp * rows * record_words(128)
+                    s = verify_splits(
+                        rows=rows, tp=tp, vocab_shard=shard, cap=cap, region_words=words
+                    )
+                    assert s >= 1 and tp * s <= max(tp, DV_MAX_SOURCES)
+                    assert tp * s * cap <= DV_MERGE_MAX
+                    assert s == 1 or s * rows * record_words(cap) <= words
+                    assert s == 1 or shard // s >= SPLIT_MIN_COLUMNS
+                    assert s == 1 or rows * s <= SPLIT_TARGET_UNITS
+    # ranks that split differently never combine silently: the digest says
+    assert call_digest(1000, 0, False, 4, 1) == call_digest(1000, 0, False, 4)
+    assert call_digest(1000, 0, False, 4, 2) != call_digest(1000, 0, False, 4)
 
 
 def test_kernels_n1_and_block_sizes(lib: Any) -> None:

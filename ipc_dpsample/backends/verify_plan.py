@@ -19,8 +19,11 @@ from ..layout import SAMPLING_EPS, TOP_K_MAX, VerifyParams
 __all__ = [
     "DV_HDR",
     "DV_MAX_N",
+    "DV_MAX_SOURCES",
     "DV_MERGE_MAX",
     "PARAM_FIELDS",
+    "SPLIT_MIN_COLUMNS",
+    "SPLIT_TARGET_UNITS",
     "call_digest",
     "device_list_cap",
     "kernel_path_refusal",
@@ -29,6 +32,7 @@ __all__ = [
     "param_bytes",
     "param_offsets",
     "record_words",
+    "verify_splits",
 ]
 
 #: Header words of a record (``kernels/verify.cuh``).
@@ -37,6 +41,13 @@ DV_HDR = 12
 DV_MERGE_MAX = 8 * TOP_K_MAX
 #: Rows per request the combine holds (``N``).
 DV_MAX_N = 64
+#: Records per row the combine holds (``DV_MAX_TP``): ``tp * splits`` at most.
+DV_MAX_SOURCES = 64
+#: A small batch's rows are split into column blocks, one CTA and one record each, until
+#: the call has about this many blocks (:func:`verify_splits`) ...
+SPLIT_TARGET_UNITS = 512
+#: ... of at least this many columns each.
+SPLIT_MIN_COLUMNS = 2048
 
 #: The per-request arrays the kernels read (``struct DvParamPtrs``), in argument order.
 PARAM_FIELDS = (
@@ -117,10 +128,42 @@ def pack_params(params: VerifyParams) -> np.ndarray:
     return out
 
 
-def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int) -> int:
+def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int, splits: int = 1) -> int:
     """A 31-bit digest of the call-wide arguments every rank must pass alike
-    (``vocab_limit``, the list capacity, ``return_logprobs``, ``N``). The kernels mix
-    in each request's normalised parameters, every record carries the result and the
-    row's owner compares: ranks that disagree raise."""
-    head = np.array([vocab_limit, cap, int(return_logprobs), n], np.int64)
-    return zlib.crc32(head.tobytes()) & 0x7FFFFFFF
+    (``vocab_limit``, the list capacity, ``return_logprobs``, ``N``, and the record
+    kernel's column blocks per row when more than one). The kernels mix in each
+    request's normalised parameters, every record carries the result and the row's
+    owner compares: ranks that disagree raise."""
+    words = [vocab_limit, cap, int(return_logprobs), n] + ([splits] if splits != 1 else [])
+    return zlib.crc32(np.array(words, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def verify_splits(*, rows: int, tp: int, vocab_shard: int, cap: int, region_words: int) -> int:
+    """Column blocks per row of the one-sided record kernel (``dp_verify_push``): each
+    block is one CTA's work and one record, and the owners combine ``tp * splits``
+    records per row exactly as ``tp`` (a block is a finer shard). A small batch gets
+    several, so that its rows' latency spreads over more SMs: about
+    :data:`SPLIT_TARGET_UNITS` blocks per call of at least :data:`SPLIT_MIN_COLUMNS`
+    columns, within what the owners hold (:data:`DV_MAX_SOURCES` records per row,
+    :data:`DV_MERGE_MAX` list entries, ``region_words`` u32 of records per parity).
+    It depends only on the call's shape, so every rank computes the same (and the call
+    digest carries it).
+
+    Parameters
+    ----------
+    rows : int
+        ``pad_bs * N``, the rows of the padded batch (a captured call may replay any
+        ``bs``).
+    tp, vocab_shard : int
+        Ranks, and columns of a shard (``V / tp``).
+    cap : int
+        The call's list capacity (:func:`list_cap`; 0 without top-k).
+    region_words : int
+        u32 words of one parity's verify region.
+    """
+    s = max(1, SPLIT_TARGET_UNITS // max(1, rows))
+    s = min(s, max(1, vocab_shard // SPLIT_MIN_COLUMNS), max(1, DV_MAX_SOURCES // tp))
+    if cap:
+        s = min(s, max(1, DV_MERGE_MAX // (tp * cap)))
+    s = min(s, max(1, region_words // (max(1, rows) * record_words(cap))))
+    return max(1, s)

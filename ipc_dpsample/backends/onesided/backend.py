@@ -53,6 +53,7 @@ from ..verify_plan import (
     pack_params,
     param_bytes,
     param_offsets,
+    verify_splits,
 )
 from ..verify_swap import verify_by_swap
 from .arena import SOURCE, Connection, teardown
@@ -507,17 +508,17 @@ class OnesidedBackend(Backend):
         push_grid = self._resident_grid[name]
         push = self._launch(
             name,
-            max(1, min(rows, push_grid)),
+            max(1, min(rows, push_grid)),  # the grid of each call: its blocks, at most this
             VERIFY_BLOCK,
-            (0,) * 13 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
-            13,
+            (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
+            14,
         )
         finish = self._launch(
             "dp_verify_finish",
             max(1, pad_bs // cfg.tp_size),
             VERIFY_BLOCK,
-            (0,) * 12 + (desc, pad_bs, vocab_limit, sig, *region, *outs),
-            12,
+            (0,) * 13 + (desc, pad_bs, vocab_limit, sig, *region, *outs),
+            13,
         )
         plan = self._verify_plans[(pad_bs, vocab_limit, lists)] = (push, finish, push_grid)
         return plan
@@ -597,11 +598,19 @@ class OnesidedBackend(Backend):
             ptrs = self._host_param_pointers(params, handle)
         else:
             ptrs = params.pointers
-        digest = call_digest(params.vocab_limit, cap, return_logprobs, cfg.num_tokens_per_req)
+        n = cfg.num_tokens_per_req
+        splits = verify_splits(
+            rows=pad_bs * n,
+            tp=tp,
+            vocab_shard=cfg.vocab_size // tp,
+            cap=cap,
+            region_words=self.layout.verify_region_bytes // 4,
+        )
+        digest = call_digest(params.vocab_limit, cap, return_logprobs, n, splits)
         cand = candidates_info.ptr
-        values = (info.ptr, cand, *ptrs, cap, int(return_logprobs), digest, bs.ptr, bs.bs)
-        rows = max(1, bs.bs * cfg.num_tokens_per_req)
-        self._issue((push,), handle, values, Op.VERIFY, (push,), min(rows, push_grid))
+        values = (info.ptr, cand, *ptrs, cap, int(return_logprobs), digest, bs.ptr, bs.bs, splits)
+        units = max(1, bs.bs * n * splits)
+        self._issue((push,), handle, values, Op.VERIFY, (push,), min(units, push_grid))
         r = pad_bs // tp
         self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(r, bs.bs)))
         if not self._graphed:
