@@ -1215,8 +1215,9 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
 // entries, and a request has at most DV_MAX_N rows (the host checks both).
 #define DV_MERGE_MAX (8 * DV_TOPK_MAX)
 #define DV_MAX_N 64
+#define DV_HDR_WORDS 2048  // staged record headers: at least 2 rows of DV_MAX_TP sources
 struct DvCombineShared {
-  unsigned hdr[DV_MAX_TP * DV_HDR];  // the row's record headers, source after source
+  unsigned hdr[DV_HDR_WORDS];  // the next rows' record headers (row, then source)
   unsigned key[DV_MERGE_MAX];  // every source's list, source after source
   unsigned mid[DV_MERGE_MAX];
   float mval[DV_MERGE_MAX];
@@ -1254,21 +1255,28 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
   const unsigned t = threadIdx.x, B = blockDim.x;
   if (t == 0) sh.bad_src = DV_NO_ID;
   __syncthreads();
+  // rows whose headers fit in shared memory at once
+  const unsigned per_row = tp * DV_HDR, fit = DV_HDR_WORDS / per_row;
   for (unsigned d = 0; d < n; ++d) {
     const unsigned row = i * n + d;
-    // every source's record header into shared memory at once (one round of loads),
-    // then thread 0 decides from there
-    for (unsigned e = t; e < tp * DV_HDR; e += B) {
-      const unsigned s = e / DV_HDR;
-      sh.hdr[e] = recs[((dv_u64)s * rows_per_src + row) * rec_words + (e - s * DV_HDR)];
+    if (d % fit == 0) {
+      // the record headers of every source of the next `fit` rows into shared memory at
+      // once (one round of loads), then thread 0 decides from there
+      const unsigned rows_now = n - d < fit ? n - d : fit;
+      for (unsigned e = t; e < rows_now * per_row; e += B) {
+        const unsigned rr = e / per_row, s = (e - rr * per_row) / DV_HDR;
+        const unsigned w = e - rr * per_row - s * DV_HDR;
+        sh.hdr[e] = recs[((dv_u64)s * rows_per_src + row + rr) * rec_words + w];
+      }
+      __syncthreads();
     }
-    __syncthreads();
+    const unsigned* hdr = sh.hdr + (d % fit) * per_row;  // this row's headers
     if (t == 0) {
       bool has_nan = false;
       unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
       float mx = dv_neg_inf();
       for (unsigned s = 0; s < tp; ++s) {
-        const unsigned* r = sh.hdr + s * DV_HDR;
+        const unsigned* r = hdr + s * DV_HDR;
         if (r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) {
           if (sh.bad_src == DV_NO_ID) sh.bad_src = s;
         }
@@ -1292,7 +1300,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           float bs = dv_neg_inf();
           unsigned bid = DV_NO_ID;
           for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = sh.hdr + s * DV_HDR;
+            const unsigned* r = hdr + s * DV_HDR;
             const float sc = argmax_u2f(r[DV_W_BEST_SCORE]);
             if (dv_better(sc, r[DV_W_BEST_ID], bs, bid)) {
               bs = sc;
@@ -1306,7 +1314,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           sh.stream_key = dv_stream_key(p, d);
           unsigned at = 0;
           for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = sh.hdr + s * DV_HDR;
+            const unsigned* r = hdr + s * DV_HDR;
             unsigned len = r[DV_W_LIST_LEN];
             if (len > kcap) len = kcap;
             sh.len[s] = len;
@@ -1433,7 +1441,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       float mx = dv_neg_inf();
       unsigned max_id = DV_NO_ID;
       for (unsigned s = 0; s < tp; ++s) {
-        const unsigned* r = sh.hdr + s * DV_HDR;
+        const unsigned* r = hdr + s * DV_HDR;
         if (r[DV_W_FLAGS] & 1u) has_nan = true;
         const float v = argmax_u2f(r[DV_W_MAX_VAL]);
         if (dv_better(v, r[DV_W_MAX_ID], mx, max_id)) {
@@ -1444,7 +1452,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       if (!has_nan && argmax_isfinite(mx)) {
         double S = 0.0;
         for (unsigned s = 0; s < tp; ++s) {
-          const unsigned* r = sh.hdr + s * DV_HDR;
+          const unsigned* r = hdr + s * DV_HDR;
           const float ms = argmax_u2f(r[DV_W_MAX_VAL]);
           if (!argmax_isfinite(ms)) continue;
           const double se = dv_u2d((dv_u64)r[DV_W_SUMEXP] | ((dv_u64)r[DV_W_SUMEXP + 1] << 32));

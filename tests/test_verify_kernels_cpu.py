@@ -591,6 +591,10 @@ def test_verify_splits_stay_within_what_the_owners_hold() -> None:
     assert verify_splits(rows=32, tp=8, vocab_shard=shard, cap=50, region_words=region) == 2
     assert verify_splits(rows=32, tp=8, vocab_shard=shard, cap=128, region_words=region) == 1
     assert verify_splits(rows=1024, tp=8, vocab_shard=shard, cap=0, region_words=region) == 1
+    # 8 ranks on one GPU share its SMs: a block of work each already fills it
+    kw = dict(rows=32, tp=8, vocab_shard=shard, cap=0, region_words=region)
+    assert verify_splits(**kw, gpu_sharing=8) == 1
+    assert verify_splits(**kw, gpu_sharing=2) == 4
     for rows in (1, 4, 32, 100, 512, 4096):
         for tp in (1, 2, 3, 8, 64):
             for cap in (0, 2, 50, 128):

@@ -44,8 +44,9 @@ DV_MAX_N = 64
 #: Records per row the combine holds (``DV_MAX_TP``): ``tp * splits`` at most.
 DV_MAX_SOURCES = 64
 #: A small batch's rows are split into column blocks, one CTA and one record each, until
-#: the call has about this many blocks (:func:`verify_splits`) ...
-SPLIT_TARGET_UNITS = 512
+#: the GPU has about this many blocks per call (:func:`verify_splits`; about two CTAs per
+#: SM of an H100 or H200) ...
+SPLIT_TARGET_UNITS = 256
 #: ... of at least this many columns each.
 SPLIT_MIN_COLUMNS = 2048
 
@@ -138,16 +139,18 @@ def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int, split
     return zlib.crc32(np.array(words, np.int64).tobytes()) & 0x7FFFFFFF
 
 
-def verify_splits(*, rows: int, tp: int, vocab_shard: int, cap: int, region_words: int) -> int:
+def verify_splits(
+    *, rows: int, tp: int, vocab_shard: int, cap: int, region_words: int, gpu_sharing: int = 1
+) -> int:
     """Column blocks per row of the one-sided record kernel (``dp_verify_push``): each
     block is one CTA's work and one record, and the owners combine ``tp * splits``
     records per row exactly as ``tp`` (a block is a finer shard). A small batch gets
     several, so that its rows' latency spreads over more SMs: about
-    :data:`SPLIT_TARGET_UNITS` blocks per call of at least :data:`SPLIT_MIN_COLUMNS`
+    :data:`SPLIT_TARGET_UNITS` blocks per GPU of at least :data:`SPLIT_MIN_COLUMNS`
     columns, within what the owners hold (:data:`DV_MAX_SOURCES` records per row,
     :data:`DV_MERGE_MAX` list entries, ``region_words`` u32 of records per parity).
-    It depends only on the call's shape, so every rank computes the same (and the call
-    digest carries it).
+    It depends only on the call's shape and the group's layout on its GPUs, so every
+    rank computes the same (and the call digest carries it).
 
     Parameters
     ----------
@@ -160,8 +163,10 @@ def verify_splits(*, rows: int, tp: int, vocab_shard: int, cap: int, region_word
         The call's list capacity (:func:`list_cap`; 0 without top-k).
     region_words : int
         u32 words of one parity's verify region.
+    gpu_sharing : int
+        The most ranks of the group on one GPU (ranks sharing a GPU share its SMs).
     """
-    s = max(1, SPLIT_TARGET_UNITS // max(1, rows))
+    s = max(1, SPLIT_TARGET_UNITS // max(1, gpu_sharing) // max(1, rows))
     s = min(s, max(1, vocab_shard // SPLIT_MIN_COLUMNS), max(1, DV_MAX_SOURCES // tp))
     if cap:
         s = min(s, max(1, DV_MERGE_MAX // (tp * cap)))

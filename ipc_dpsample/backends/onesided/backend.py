@@ -30,6 +30,7 @@ address; from then on every swap runs its ``graphed`` launches: an entry barrier
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -204,6 +205,9 @@ class OnesidedBackend(Backend):
         self._max_argmax_grid = self._sm_count * ARGMAX_CTAS_PER_SM
         # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
         # registers and shared memory decide how many), so no CTA waits for a second wave
+        # the most ranks of the group on one GPU (every rank sees the same records)
+        uuids = Counter(r.gpu_uuid for r in conn.peer_recs if r.gpu_uuid)
+        self._gpu_sharing = max(uuids.values()) if uuids else 1
         self._resident_grid = {
             name: self._sm_count * _resident_ctas(self._kernels[name], VERIFY_BLOCK)
             for name in ("dp_verify_push", "dp_verify_push_nolist")
@@ -605,6 +609,7 @@ class OnesidedBackend(Backend):
             vocab_shard=cfg.vocab_size // tp,
             cap=cap,
             region_words=self.layout.verify_region_bytes // 4,
+            gpu_sharing=self._gpu_sharing,
         )
         digest = call_digest(params.vocab_limit, cap, return_logprobs, n, splits)
         cand = candidates_info.ptr
