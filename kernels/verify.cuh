@@ -736,49 +736,6 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
-// f(x, c, valid) over the columns c < ncols of `row`, in column order per thread, with
-// the same trip count on every thread of the block (f may use warp intrinsics; valid is
-// false where a thread has no column): a scalar head up to the first 16-byte boundary,
-// 16-byte vectors (two in flight per thread), a scalar tail.
-template <typename Tag, typename F>
-__device__ __forceinline__ void dv_row_each_uniform(const typename Tag::Storage* row,
-                                                    unsigned ncols, F&& f) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  for (unsigned c0 = 0; c0 < head; c0 += B) {
-    const unsigned c = c0 + t;
-    f(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
-  }
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  for (unsigned v0 = 0; v0 < nvec; v0 += 2 * B) {
-    const unsigned v = v0 + t, v2 = v + B;
-    ArgmaxVec16 a, b;
-    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
-    b = a;
-    if (v < nvec) a = argmax_load16(vp + v);
-    if (v2 < nvec) b = argmax_load16(vp + v2);
-    float xs[E];
-    ArgmaxUnpack<Tag>::run(a, xs);
-#pragma unroll
-    for (unsigned j = 0; j < E; ++j) f(xs[j], head + v * E + j, v < nvec);
-    if (v0 + B < nvec) {  // uniform: some thread has a second vector
-      ArgmaxUnpack<Tag>::run(b, xs);
-#pragma unroll
-      for (unsigned j = 0; j < E; ++j) f(xs[j], head + v2 * E + j, v2 < nvec);
-    }
-  }
-  const unsigned tail = head + nvec * E;
-  for (unsigned c0 = tail; c0 < ncols; c0 += B) {
-    const unsigned c = c0 + t;
-    f(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
-  }
-}
-
 // Raise the top-k pass's threshold to the lower edge of the first radix digit (sign,
 // exponent, 2 mantissa bits) that the kk-th largest of the nc candidates has, and keep
 // only the candidates at or above it (at least kk: the row's first kk columns stay among
@@ -946,7 +903,8 @@ __device__ __forceinline__ float dv_unord(unsigned k) {
 }
 
 // The smallest raw logit x with float32(x / T + DV_G_BOUND) >= s, the column's best
-// possible score (T > 0, s = the score of the column holding m, so x = m qualifies).
+// possible score (T > 0; s is the score of a column of the row, whose value is at most
+// m, so x = m qualifies).
 // Division by a positive T and the addition are monotone, so a column whose raw logit
 // is below the result cannot reach s: one comparison per column instead of a division.
 // An estimate, then a doubling search for a bracket, then bisection (a few steps).
