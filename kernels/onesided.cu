@@ -505,10 +505,9 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
                                             u64 top_k, u64 top_p, u64 min_p, u64 seed,
                                             u64 offset, i64 kcap, i64 want_lp, i64 digest,
                                             u64 bs_ptr, i64 bs_host, i64 splits,
-                                            const DpDesc& d,
-                                            i64 pad_bs, i64 ncols, i64 vocab_limit,
-                                            i64 dtype_code, u64 sig, u64 region_off,
-                                            i64 region_bytes, DvRowShared& rs,
+                                            const DpDesc& d, i64 pad_bs, i64 ncols,
+                                            i64 vocab_limit, i64 dtype_code, u64 sig,
+                                            u64 region_off, i64 region_bytes, DvRowShared& rs,
                                             DvQueue& qu, DvRecordShared* ls) {
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
@@ -524,14 +523,14 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
   const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
-    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim,
-                                 region, full_sig, rs, qu, ls);
+    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                        lim, region, full_sig, rs, qu, ls);
   else if (dtype_code == 2)
-    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim, region,
-                                full_sig, rs, qu, ls);
+    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                       lim, region, full_sig, rs, qu, ls);
   else
-    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc, lim, region,
-                                full_sig, rs, qu, ls);
+    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                       lim, region, full_sig, rs, qu, ls);
 
   __shared__ u32 last;
   __syncthreads();
@@ -590,7 +589,8 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)
     dp_verify_finish(u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p, u64 min_p, u64 seed,
                      u64 offset, i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
-                     i64 splits, DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig, u64 region_off,
+                     i64 splits, DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig,
+                     u64 region_off,
                      i64 region_bytes, u64 out_predict, u64 out_accept_index,
                      u64 out_accept_length, u64 out_logprobs) {
   __shared__ DvCombineShared sh;
@@ -609,7 +609,8 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
     u32 bad, bits, dg = (u32)digest;
     const DvParams p = dv_load_params(q, req, (u32)vocab_limit, &bad, &bits, &dg);
     const unsigned mismatch = dv_combine_request(
-        region, d.tp * (u32)splits, R * n, rec_words, (u32)kcap, i, n, p, cand + (u64)req * n, dg,
+        region, d.tp * (u32)splits, R * n, rec_words, (u32)kcap, i, n, p,
+        cand + (u64)req * n, dg,
         want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
         (int*)out_accept_index + (u64)i * n, (int*)out_accept_length + i,
         (float*)out_logprobs + (u64)i * n, sh);

@@ -67,9 +67,10 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
                                       static_cast<unsigned>(vocab_limit), &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) atomicCAS(err_value, 0u, (bad << 24) | static_cast<unsigned>(req));
     unsigned* rec = reinterpret_cast<unsigned*>(out_words) + g * rec_words;
-    dv_row_record<Tag, kList>(reinterpret_cast<const S*>(src) + g * ncols, static_cast<unsigned>(limit),
-                       static_cast<unsigned>(col0), p, d, kcap, want_lp,
-                       static_cast<unsigned>(cand[g]), dg, rec, rs, qu, ls);
+    dv_row_record<Tag, kList>(reinterpret_cast<const S*>(src) + g * ncols,
+                              static_cast<unsigned>(limit), static_cast<unsigned>(col0), p, d,
+                              kcap, want_lp, static_cast<unsigned>(cand[g]), dg, rec, rs, qu,
+                              ls);
   }
 }
 

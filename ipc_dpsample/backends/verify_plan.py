@@ -165,6 +165,11 @@ def verify_splits(
         u32 words of one parity's verify region.
     gpu_sharing : int
         The most ranks of the group on one GPU (ranks sharing a GPU share its SMs).
+
+    Returns
+    -------
+    int
+        Column blocks per row, at least 1.
     """
     s = max(1, SPLIT_TARGET_UNITS // max(1, gpu_sharing) // max(1, rows))
     s = min(s, max(1, vocab_shard // SPLIT_MIN_COLUMNS), max(1, DV_MAX_SOURCES // tp))

@@ -203,11 +203,11 @@ class OnesidedBackend(Backend):
             _ = kernel.max_threads_per_block
         self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
         self._max_argmax_grid = self._sm_count * ARGMAX_CTAS_PER_SM
-        # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
-        # registers and shared memory decide how many), so no CTA waits for a second wave
         # the most ranks of the group on one GPU (every rank sees the same records)
         uuids = Counter(r.gpu_uuid for r in conn.peer_recs if r.gpu_uuid)
         self._gpu_sharing = max(uuids.values()) if uuids else 1
+        # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
+        # registers and shared memory decide how many), so no CTA waits for a second wave
         self._resident_grid = {
             name: self._sm_count * _resident_ctas(self._kernels[name], VERIFY_BLOCK)
             for name in ("dp_verify_push", "dp_verify_push_nolist")
