@@ -153,6 +153,13 @@ REGISTRY: dict[str, EnvVar] = {
             "tuning (compile time): 16-byte loads each argmax thread issues before it reduces them",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_LINEINFO",
+            _flag,
+            False,
+            "profiling (compile time): build every kernel with `-lineinfo`, so that ncu and "
+            "compute-sanitizer map SASS to source lines",
+        ),
+        EnvVar(
             "CUDA_DEVICE_MAX_CONNECTIONS",
             _int_in(1, 32),
             8,

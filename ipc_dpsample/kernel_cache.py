@@ -49,6 +49,10 @@ def get_module(
     ``name_expressions`` instantiates templates (``"kernel<float>"``), fetched with
     ``module.get_function(expression)``.
     """
+    from . import envs
+
+    if envs.get("IPC_DPSAMPLE_LINEINFO"):
+        options = (*options, "-lineinfo")
     key = (source, device, options, name_expressions)
     mod = _modules.get(key)
     if mod is not None:

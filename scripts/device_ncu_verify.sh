@@ -5,23 +5,48 @@
 # Run from the repository root (or a clean export) on the device machine:
 #     OUT=out MIXES="temperature topk50" PADS="256 8" bash scripts/device_ncu_verify.sh
 # SECTIONS overrides the ncu sections (default: speed of light, warp states, launch,
-# occupancy); LIMIT the seconds per point (default 90).
+# occupancy); LIMIT the seconds per point (default 90). SOURCE=1 profiles the record
+# kernel alone, built with -lineinfo, with the source counters, and writes the
+# instructions and stall samples per CUDA line and per SASS instruction
+# (src-MIX-bPAD-{cuda,sass}.csv.gz) instead.
 set -u
 # shellcheck source=scripts/device_steps.sh
 . "$(dirname "$0")/device_steps.sh"
 sections=${SECTIONS:-SpeedOfLight WarpStateStats LaunchStats Occupancy}
 sec_args=()
 for s in $sections; do sec_args+=(--section "$s"); done
+bench_args() {  # bench_args MIX PAD
+  echo python3 -m ipc_dpsample bench --ungated --tp 1 --num-tokens 4 --vocab 19008 \
+    --pad-bs "$2" --dtype "${DTYPE:-fp32}" --ops verify_batch_vocab --verify-mix "$1" \
+    --verify-baselines read_once --backends onesided --iters 3 --warmup 1 --mode eager \
+    --out "/tmp/ncu-$1-$2"
+}
+if [ "${SOURCE:-0}" = 1 ]; then
+  for mix in ${MIXES:-temperature topk50}; do
+    for pad in ${PADS:-256}; do
+      rep=/tmp/src-$mix-b$pad
+      # shellcheck disable=SC2046
+      IPC_DPSAMPLE_LINEINFO=1 step "${LIMIT:-120}" "$out/ncu-src.log" \
+        ncu --kernel-name regex:'dp_verify_(push|push_nolist)$' --launch-skip 2 \
+        --launch-count 1 --section SourceCounters --section WarpStateStats \
+        --section InstructionStats --section SpeedOfLight --import-source yes -f -o "$rep" \
+        $(bench_args "$mix" "$pad")
+      for what in cuda sass; do
+        ncu -i "$rep.ncu-rep" --page source --csv --print-source "$what" 2>&1 |
+          gzip > "$out/src-$mix-b$pad-$what.csv.gz"
+      done
+      ncu -i "$rep.ncu-rep" --print-details all >> "$out/ncu-src.log" 2>&1
+    done
+  done
+  exit 0
+fi
 for mix in ${MIXES:-temperature topk50}; do
   for pad in ${PADS:-256 8}; do
     # warm-up 1 + 3 iterations; skip the first two calls' kernels (module load, warm-up)
     step "${LIMIT:-90}" "$out/ncu-$mix-b$pad.log" \
       ncu --kernel-name regex:'dp_verify_(push|push_nolist|finish)$' --launch-skip 4 \
       --launch-count 2 "${sec_args[@]}" --print-details all \
-      python3 -m ipc_dpsample bench --ungated --tp 1 --num-tokens 4 --vocab 19008 \
-      --pad-bs "$pad" --dtype fp32 --ops verify_batch_vocab --verify-mix "$mix" \
-      --verify-baselines read_once --backends onesided --iters 3 --warmup 1 --mode eager \
-      --out "/tmp/ncu-$mix-$pad"
+      $(bench_args "$mix" "$pad")
   done
 done
 exit 0
