@@ -153,6 +153,13 @@ REGISTRY: dict[str, EnvVar] = {
             "tuning (compile time): 16-byte loads each argmax thread issues before it reduces them",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_BLOCK",
+            _one_of_ints(128, 256),
+            256,
+            "tuning: threads per CTA of the one-sided `verify_batch_vocab` record kernel (one "
+            "CTA reduces one row at a time)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -222,6 +229,7 @@ class OnesidedTuning:
     graph_swap: str
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
+    verify_block: int = 256
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -247,4 +255,5 @@ def onesided_tuning() -> OnesidedTuning:
         graph_swap=get("IPC_DPSAMPLE_GRAPH_SWAP"),
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
         cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
+        verify_block=get("IPC_DPSAMPLE_VERIFY_BLOCK"),
     )

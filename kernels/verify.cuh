@@ -736,93 +736,118 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
-// Raise the top-k pass's threshold to the lower edge of the first radix digit (sign,
-// exponent, 2 mantissa bits) that the kk-th largest of the nc candidates has, and keep
-// only the candidates at or above it (at least kk: the row's first kk columns stay among
-// them). The compaction runs in place, a block's worth per round: every read of a round
-// comes before its writes (a barrier), and a round writes below the entries read so far.
-__device__ void dv_cand_raise(DvRecordShared& sh, unsigned kk, unsigned nc) {
-  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
-  for (unsigned i = t; i < 2048u; i += B) sh.k.hist[i] = 0;
-  __syncthreads();
-  for (unsigned i = t; i < nc; i += B) atomicAdd(&sh.k.hist[sh.k.cand_key[i] >> 21], 1u);
-  __syncthreads();
-  dv_find_bin(sh, 2048u, kk);
-  unsigned thr = sh.k.found_bin << 21;
-  if (thr < sh.k.thr) thr = sh.k.thr;
-  __syncthreads();  // every thread has read the old threshold
-  if (t == 0) {
-    sh.k.thr = thr;
-    sh.k.n_cand = 0;  // the kept count, as the rounds below write them
-  }
-  __syncthreads();
-  for (unsigned r0 = 0; r0 < nc; r0 += B) {
-    const unsigned i = r0 + t;
-    unsigned key = 0, id = 0;
-    if (i < nc) {
-      key = sh.k.cand_key[i];
-      id = sh.k.cand_id[i];
+#ifndef DV_MAX_UNROLL
+#define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
+#endif
+
+// This thread's first maximum over its columns of `row` (m; mc its column, DV_NO_ID when
+// none is above -inf) and whether one of its columns is NaN (then m and mc are not
+// meaningful: the caller reads the row again with every special value handled). Each
+// thread visits its columns in increasing order (a scalar head, 16-byte vectors in
+// rounds of DV_MAX_UNROLL loads, a scalar tail) and compares each vector's maximum with
+// m once: the first column of the vector that holds it when it is larger.
+template <typename Tag>
+__device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, unsigned ncols,
+                                           float& m, unsigned& mc) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  constexpr unsigned U = DV_MAX_UNROLL;
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  m = dv_neg_inf();
+  mc = DV_NO_ID;
+  bool nan = false;
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c = t; c < head; c += B) {
+    const float x = argmax_load1<Tag>(row + c);
+    nan |= x != x;
+    if (x > m) {
+      m = x;
+      mc = c;
     }
-    const bool keep = i < nc && key >= thr;
-    __syncthreads();  // the round's reads before any of its writes
-    const unsigned mask = __ballot_sync(DV_FULL, keep);
-    if (mask != 0u) {  // uniform over the warp
-      const unsigned leader = (unsigned)__ffs(mask) - 1u;
-      unsigned base = 0;
-      if (lane == leader) base = atomicAdd(&sh.k.n_cand, (unsigned)__popc(mask));
-      base = __shfl_sync(DV_FULL, base, (int)leader);
-      if (keep) {
-        const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
-        sh.k.cand_key[slot] = key;
-        sh.k.cand_id[slot] = id;
+  }
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned v = t; v < nvec; v += U * B) {
+    ArgmaxVec16 raw[U];
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u)
+      if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      if (v + u * B < nvec) {
+        float xs[E];
+        ArgmaxUnpack<Tag>::run(raw[u], xs);
+        float vm = xs[0];
+        bool nn = xs[0] != xs[0];
+#pragma unroll
+        for (unsigned j = 1; j < E; ++j) {
+          vm = argmax_fmax(vm, xs[j]);  // the non-NaN one of a NaN pair
+          nn |= xs[j] != xs[j];
+        }
+        nan |= nn;
+        if (vm > m) {  // rare after the first vectors
+          unsigned j = E - 1;
+#pragma unroll
+          for (int i = (int)E - 2; i >= 0; --i) j = xs[i] == vm ? (unsigned)i : j;
+          m = xs[j];
+          mc = head + (v + u * B) * E + j;
+        }
       }
     }
   }
-  __syncthreads();
+  for (unsigned c = head + nvec * E + t; c < ncols; c += B) {
+    const float x = argmax_load1<Tag>(row + c);
+    nan |= x != x;
+    if (x > m) {
+      m = x;
+      mc = c;
+    }
+  }
+  return nan;
 }
 
-// The only pass over a top-k row: the first NaN and the first maximum of this thread's
-// columns and, in shared memory, every column whose order key is at or above a
-// threshold that rises as candidates gather (dv_cand_raise), so that the first kk
-// columns of the row are among them. Each warp reserves its slots with one atomic.
-// Returns false when the candidates overflowed DV_CAND_CAP (many equal values): the
-// caller then selects over the row itself. Every thread calls it (trip counts uniform).
+// The top-k pass's threshold (an order key): at least kk columns of the row have a key
+// at or above it, so the row's first kk columns in key order are among them. Warp w
+// takes the r-th largest of its lanes' own maxima (key: my_key, 0 for a lane without
+// one), r = ceil(kk / warps); the block takes the smallest: each warp has r distinct
+// columns at or above its value, kk in all. With 256 threads over 19 008 columns about
+// a hundred columns pass. 0 (every column) when a warp is partial or r > 32.
+__device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my_key,
+                                                      unsigned kk) {
+  const unsigned lane = threadIdx.x & 31u, W = dv_nwarps();
+  const unsigned r = (kk + W - 1u) / W;
+  unsigned thr = 0;
+  if (dv_warp_width() == 32u && r <= 32u) {
+    unsigned key = my_key;  // bitonic sort of the warp's keys, descending by lane
+    for (unsigned k = 2; k <= 32u; k <<= 1) {
+      for (unsigned j = k >> 1; j > 0; j >>= 1) {
+        const unsigned other = __shfl_xor_sync(DV_FULL, key, (int)j);
+        const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
+        key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
+      }
+    }
+    thr = __shfl_sync(DV_FULL, key, (int)(r - 1u));
+  }
+  return dv_block_min(red, thr);
+}
+
+// Pass 2 of a top-k row without NaN: every column whose order key is at or above thr
+// (dv_topk_threshold) into the candidates in shared memory, any order; each warp reserves
+// its slots with one atomic, and only when one of its lanes has such a column in the
+// vector. sh.k.n_cand must be 0 on entry and visible to every thread. Returns false when
+// they overflowed DV_CAND_CAP (many equal values): the caller selects over the row.
 template <typename Tag>
-__device__ bool dv_row_topk_pass(const typename Tag::Storage* row, unsigned ncols,
-                                 unsigned col0, unsigned kk, unsigned& nan_id,
-                                 unsigned& max_id, float& m, DvRecordShared& sh) {
+__device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned ncols,
+                                   unsigned col0, unsigned thr, DvRecordShared& sh) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
-  const unsigned room = B * E;  // the most candidates one step adds
-  if (room + kk > DV_CAND_CAP) {  // no room to gather (a tiny DV_CAND_CAP): max, NaN only
-    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
-      if (argmax_isnan(x)) {
-        if (nan_id == DV_NO_ID) nan_id = col0 + c;
-      } else if (max_id == DV_NO_ID || x > m) {
-        m = x;
-        max_id = col0 + c;
-      }
-    });
-    return false;
-  }
-  if (t == 0) {
-    sh.k.n_cand = 0;
-    sh.k.thr = 0;
-  }
-  __syncthreads();
-  unsigned thr = 0;
+  // no NaN here: key(x) >= thr <=> x >= the value of thr (-0 == +0 on both sides)
+  const float tv = thr == 0u ? dv_neg_inf() : dv_key_value(thr);
   auto visit = [&](float x, unsigned c, bool valid) {
-    if (valid) {
-      if (argmax_isnan(x)) {
-        if (nan_id == DV_NO_ID) nan_id = col0 + c;
-      } else if (max_id == DV_NO_ID || x > m) {
-        m = x;
-        max_id = col0 + c;
-      }
-    }
-    const unsigned key = dv_order_key(x);
-    const bool pass = valid && key >= thr;
+    const bool pass = valid && x >= tv;
     const unsigned mask = __ballot_sync(DV_FULL, pass);
     if (mask != 0u) {  // uniform over the warp
       const unsigned leader = (unsigned)__ffs(mask) - 1u;
@@ -831,66 +856,70 @@ __device__ bool dv_row_topk_pass(const typename Tag::Storage* row, unsigned ncol
       base = __shfl_sync(DV_FULL, base, (int)leader);
       const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
       if (pass && slot < DV_CAND_CAP) {
-        sh.k.cand_key[slot] = key;
+        sh.k.cand_key[slot] = dv_order_key(x);
         sh.k.cand_id[slot] = col0 + c;
       }
     }
   };
-  // after each step: stop on overflow, raise the threshold when the next step may not fit
-  auto settle = [&]() -> bool {
-    __syncthreads();
-    const unsigned nc = sh.k.n_cand;
-    __syncthreads();  // every thread has read it before any adds to it again
-    if (nc > DV_CAND_CAP) return false;
-    if (nc + room > DV_CAND_CAP) dv_cand_raise(sh, kk, nc);
-    thr = sh.k.thr;
-    return true;
-  };
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
-  bool ok = true;
   for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
     visit(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
   }
-  ok = settle();
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  ArgmaxVec16 cur;
-  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-  if (t < nvec) cur = argmax_load16(vp + t);
-  for (unsigned v0 = 0; v0 < nvec && ok; v0 += B) {
+  for (unsigned v0 = 0; v0 < nvec; v0 += 2 * B) {  // uniform trip count (warp votes)
     const unsigned v = v0 + t;
-    ArgmaxVec16 nxt;  // the next vector's load in flight
-    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
-    float xs[E];
-    ArgmaxUnpack<Tag>::run(cur, xs);
+    ArgmaxVec16 a, b;
+    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
+    b = a;
+    if (v < nvec) a = argmax_load16(vp + v);
+    if (v + B < nvec) b = argmax_load16(vp + v + B);
 #pragma unroll
-    for (unsigned j = 0; j < E; ++j) visit(xs[j], head + v * E + j, v < nvec);
-    ok = settle();
-    cur = nxt;
+    for (unsigned h = 0; h < 2; ++h) {
+      const unsigned vv = v + h * B;
+      float xs[E];
+      ArgmaxUnpack<Tag>::run(h ? b : a, xs);
+      bool any = false;
+#pragma unroll
+      for (unsigned j = 0; j < E; ++j) any |= xs[j] >= tv;
+      if (__ballot_sync(DV_FULL, any && vv < nvec) != 0u) {  // rare once past the head
+#pragma unroll
+        for (unsigned j = 0; j < E; ++j) visit(xs[j], head + vv * E + j, vv < nvec);
+      }
+    }
   }
   const unsigned tail = head + nvec * E;
-  for (unsigned c0 = tail; c0 < ncols && ok; c0 += B) {  // fewer than E columns
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
     visit(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
-  if (ok) ok = settle();
-  if (!ok) {  // the rest of the row's maximum and first NaN (the columns not visited)
-    // every column again: the running values are per thread, the same columns again
-    // change nothing, and the ones a stop skipped are counted
-    dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
-      if (argmax_isnan(x)) {
-        if (nan_id == DV_NO_ID || col0 + c < nan_id) nan_id = col0 + c;
-      } else if (max_id == DV_NO_ID || x > m || (x == m && col0 + c < max_id)) {
-        m = x;
-        max_id = col0 + c;
-      }
-    });
-  }
+  __syncthreads();
+  const bool ok = sh.k.n_cand <= DV_CAND_CAP;
+  __syncthreads();
   return ok;
+}
+
+// The first kk of n gathered candidates (n <= blockDim.x) into rec's list in key order:
+// candidate t's rank is the number of candidates before it (key desc, id asc).
+__device__ void dv_select_few(const DvRecordShared& sh, unsigned n, unsigned kk, unsigned kcap,
+                              unsigned* rec) {
+  const unsigned t = threadIdx.x;
+  if (t < n) {
+    const unsigned key = sh.k.cand_key[t], id = sh.k.cand_id[t];
+    unsigned r = 0;
+    for (unsigned j = 0; j < n; ++j) {
+      const unsigned kj = sh.k.cand_key[j];
+      r += (kj > key || (kj == key && sh.k.cand_id[j] < id)) ? 1u : 0u;
+    }
+    if (r < kk) {
+      rec[DV_HDR + r] = argmax_f2u(dv_key_value(key));
+      rec[DV_HDR + kcap + r] = id;
+    }
+  }
+  __syncthreads();
 }
 
 // Floats (no NaN) as unsigned in their order; -0 just below +0.
@@ -970,7 +999,7 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
   const dv_u64 key = dv_stream_key(p, d);
-  const float T = p.temperature;
+  const float T = p.temperature, rT = 1.0f / T;
   const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
   best_score = dv_neg_inf();
   best_id = DV_NO_ID;
@@ -1001,12 +1030,14 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     cnt += __popc(mask);
   };
   // the rest of one queued column's score, its uniform u known
-  auto finish = [&](float x, unsigned id, float z, float u) {
+  auto finish = [&](float x, unsigned id, float u) {
     // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-    // estimate with a wide margin skips the exact noise (NaN: keep)
-    if (!(dv_fadd(z, DV_G_BOUND) >= best_score)) return;  // cannot win
-    if (u < __expf(-__expf(z - best_score)) * 0.9999f) return;
-    const float sc = dv_fadd(z, dv_gumbel(u));
+    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
+    // a wide margin, skips the exact division and noise of the columns that cannot win
+    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
+    if (!(dv_fadd(zh, DV_G_BOUND) >= best_score)) return;  // cannot win
+    if (u < __expf(-__expf(zh - best_score)) * 0.9999f) return;
+    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
     if (dv_better(sc, id, best_score, best_id)) {
       best_score = sc;
       best_id = id;
@@ -1022,8 +1053,8 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
       const float xa = qx[base + lane], xc = qx[base + W + lane];
       const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
       const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
-      finish(xa, ia, dv_fdiv(xa, T), dv_uniform(wa));
-      finish(xc, ic, dv_fdiv(xc, T), dv_uniform(wc));
+      finish(xa, ia, dv_uniform(wa));
+      finish(xc, ic, dv_uniform(wc));
     }
     // lane l reads and writes only slots l, W + l, base + l, base + W + l: no hazard
     const unsigned rest = cnt - base;
@@ -1097,21 +1128,24 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
                               unsigned cand, unsigned digest, unsigned* rec, DvRowShared& rs,
                               DvQueue& q, DvRecordShared* ls) {
   const unsigned t = threadIdx.x;
-  // pass 1: first NaN, first maximum
-  unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
-  float m = dv_neg_inf();
   const int mode = dv_mode(p);
   unsigned list_len = 0;
   if (kList && mode == DV_TOPK && ncols > 0) {
     list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
     if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
   }
-  bool gathered = false;  // the top-k pass's candidates are in ls
-  if constexpr (kList) {
-    if (list_len > 0)
-      gathered = dv_row_topk_pass<Tag>(row, ncols, col0, list_len, nan_id, max_id, m, *ls);
-  }
-  if (list_len == 0) {
+  if (kList && t == 0) ls->k.n_cand = 0;  // (the barriers below publish it)
+  // pass 1: first maximum; a row with a NaN is read again, every value handled, for its
+  // first NaN (and its maximum, as torch.argmax has it)
+  unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
+  float m = dv_neg_inf();
+  unsigned mc;
+  const bool saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
+  if (mc != DV_NO_ID) max_id = col0 + mc;
+  const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
+  if (has_nan) {
+    m = dv_neg_inf();
+    max_id = DV_NO_ID;
     dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
       if (argmax_isnan(x)) {
         if (nan_id == DV_NO_ID) nan_id = col0 + c;
@@ -1120,13 +1154,23 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
         max_id = col0 + c;
       }
     });
+    nan_id = dv_block_min(rs.red, nan_id);
   }
-  const float my_m = m;  // this thread's own maximum (the temperature path's start)
+  const float my_m = m;  // this thread's own maximum (the temperature and top-k start)
   const unsigned my_id = max_id;
-  nan_id = dv_block_min(rs.red, nan_id);
   float unused = 0.0f;
   dv_block_best(rs.red, m, max_id, unused);
-  const bool has_nan = nan_id != DV_NO_ID;
+  if (!has_nan && max_id == DV_NO_ID && ncols > 0) max_id = col0;  // every column -inf
+  // the top-k rows' candidates: the columns at or above a threshold from the threads'
+  // own maxima (a second read of the row, from L2 mostly)
+  bool gathered = false;
+  if constexpr (kList) {
+    if (list_len > 0 && !has_nan) {
+      const unsigned thr =
+          dv_topk_threshold(rs.red, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
+      gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls);
+    }
+  }
   // pass 2 (logprobs): sum of exp(x - max) in float64
   double se = 0.0;
   if (want_lp && !has_nan && argmax_isfinite(m)) {
@@ -1142,9 +1186,11 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
                      q);
   } else if constexpr (kList) {
     if (list_len > 0) {  // the first list_len columns in key order: a radix select
-      if (gathered)
-        dv_select(DvCandSource{ls, ls->k.n_cand}, list_len, 0, 0u, 0u, list_len, 0u, kcap,
-                  rec, *ls);
+      const unsigned n = ls->k.n_cand;
+      if (gathered && n <= blockDim.x)
+        dv_select_few(*ls, n, list_len, kcap, rec);
+      else if (gathered)
+        dv_select(DvCandSource{ls, n}, list_len, 0, 0u, 0u, list_len, 0u, kcap, rec, *ls);
       else
         dv_select(DvRowSource<Tag>{row, ncols, col0}, list_len, 0, 0u, 0u, list_len, 0u, kcap,
                   rec, *ls);

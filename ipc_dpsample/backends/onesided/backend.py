@@ -81,7 +81,7 @@ _KERNELS = (
     "dp_verify_push_nolist",
     "dp_verify_finish",
 )
-VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh
+VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh: the most threads of a verify CTA
 #: DP_ERR_VALUE reasons (verify.cuh DV_BAD_*): (argument, expected, int or float bits)
 VALUE_ERRORS = {
     1: ("temperature", "a finite value >= 0 (0 = greedy)", "f"),
@@ -209,7 +209,7 @@ class OnesidedBackend(Backend):
         # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
         # registers and shared memory decide how many), so no CTA waits for a second wave
         self._resident_grid = {
-            name: self._sm_count * _resident_ctas(self._kernels[name], VERIFY_BLOCK)
+            name: self._sm_count * _resident_ctas(self._kernels[name], tuning.verify_block)
             for name in ("dp_verify_push", "dp_verify_push_nolist")
         }
         self._err = DpErrorBlock.from_address(self.arena.err_host)
@@ -513,7 +513,7 @@ class OnesidedBackend(Backend):
         push = self._launch(
             name,
             max(1, min(rows, push_grid)),  # the grid of each call: its blocks, at most this
-            VERIFY_BLOCK,
+            self.tuning.verify_block,
             (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
             14,
         )
