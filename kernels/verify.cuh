@@ -736,6 +736,24 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
+// Hints that a later load will read the 16-byte vector at p: into L2 (the first pass
+// over a row, from HBM) or into L1 (the second pass, from L2). Fire and forget, no
+// register waits for them; nothing on the CPU emulation.
+__device__ __forceinline__ void dv_prefetch_l2(const void* p) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+  (void)p;
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+__device__ __forceinline__ void dv_prefetch_l1(const void* p) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+  (void)p;
+#else
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
 #endif
@@ -769,11 +787,16 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned u = U; u < 2 * U; ++u)  // the next round's vectors on their way to L2
+    if (t + u * B < nvec) dv_prefetch_l2(vp + t + u * B);
   for (unsigned v = t; v < nvec; v += U * B) {
     ArgmaxVec16 raw[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
       if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
+#pragma unroll
+    for (unsigned u = 2 * U; u < 3 * U; ++u)  // and the round after it
+      if (v + u * B < nvec) dv_prefetch_l2(vp + v + u * B);
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
       if (v + u * B < nvec) {
@@ -870,6 +893,8 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  for (unsigned u = 2; u < 4; ++u)  // the next step's vectors on their way to L1
+    if (t + u * B < nvec) dv_prefetch_l1(vp + t + u * B);
   for (unsigned v0 = 0; v0 < nvec; v0 += 2 * B) {  // uniform trip count (warp votes)
     const unsigned v = v0 + t;
     ArgmaxVec16 a, b;
@@ -877,6 +902,8 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
     b = a;
     if (v < nvec) a = argmax_load16(vp + v);
     if (v + B < nvec) b = argmax_load16(vp + v + B);
+    if (v + 4 * B < nvec) dv_prefetch_l1(vp + v + 4 * B);  // and the step after it
+    if (v + 5 * B < nvec) dv_prefetch_l1(vp + v + 5 * B);
 #pragma unroll
     for (unsigned h = 0; h < 2; ++h) {
       const unsigned vv = v + h * B;
@@ -1082,11 +1109,14 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   ArgmaxVec16 cur;
   cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
   if (t < nvec) cur = argmax_load16(vp + t);
+  for (unsigned u = 2; u < 4; ++u)  // the vectors after the next on their way to L1
+    if (t + u * B < nvec) dv_prefetch_l1(vp + t + u * B);
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
     if (v + B < nvec) nxt = argmax_load16(vp + v + B);
+    if (v + 4 * B < nvec) dv_prefetch_l1(vp + v + 4 * B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll
