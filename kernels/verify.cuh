@@ -812,9 +812,14 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
         nan |= nn;
         if (vm > m) {  // rare after the first vectors
           unsigned j = E - 1;
+          float xj = xs[E - 1];
 #pragma unroll
-          for (int i = (int)E - 2; i >= 0; --i) j = xs[i] == vm ? (unsigned)i : j;
-          m = xs[j];
+          for (int i = (int)E - 2; i >= 0; --i) {  // (no indexing by j: xs stays in registers)
+            const bool eq = xs[i] == vm;
+            j = eq ? (unsigned)i : j;
+            xj = eq ? xs[i] : xj;
+          }
+          m = xj;
           mc = head + (v + u * B) * E + j;
         }
       }
