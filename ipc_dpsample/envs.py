@@ -160,6 +160,20 @@ REGISTRY: dict[str, EnvVar] = {
             "CTA reduces one row at a time)",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_CTAS_PER_SM",
+            _one_of_ints(2, 3, 4),
+            3,
+            "tuning (compile time): 256-thread CTAs of the record kernel the compiler fits on "
+            "an SM (their register budget: 128, 80 or 64 per thread)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_VERIFY_UNROLL",
+            _one_of_ints(1, 2, 4),
+            2,
+            "tuning (compile time): 16-byte loads in flight per thread in the record kernel's "
+            "first pass over a row",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -230,6 +244,8 @@ class OnesidedTuning:
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
     verify_block: int = 256
+    verify_ctas_per_sm: int = 3
+    verify_unroll: int = 2
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -239,6 +255,9 @@ class OnesidedTuning:
             f"-DDP_SWAP_STREAMING={int(self.streaming)}",
             f"-DDP_ARGMAX_UNROLL={self.argmax_unroll}",
             f"-DDP_SWAP_CTA_RELEASE_GPU={int(self.cta_fence == 'gpu')}",
+            f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
+            f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
+            f"-DDV_MAX_UNROLL={self.verify_unroll}",
         )
 
 
@@ -256,4 +275,6 @@ def onesided_tuning() -> OnesidedTuning:
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
         cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
         verify_block=get("IPC_DPSAMPLE_VERIFY_BLOCK"),
+        verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
+        verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
     )

@@ -60,16 +60,27 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_GRAPH_SWAP", "COPY")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "8")
     monkeypatch.setenv("IPC_DPSAMPLE_SWAP_CTA_FENCE", "SYS")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM", "4")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "128")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
+    assert tun.verify_block == 128
     assert tun.compile_options == (
         "-DDP_SWAP_UNROLL=8",
         "-DDP_SWAP_STREAMING=1",
         "-DDP_ARGMAX_UNROLL=8",
         "-DDP_SWAP_CTA_RELEASE_GPU=0",
+        "-DDV_LIST_MIN_CTAS=4",
+        "-DDV_NOLIST_MIN_CTAS=4",
+        "-DDV_MAX_UNROLL=1",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
-    assert envs.onesided_tuning().compile_options[-1] == "-DDP_SWAP_CTA_RELEASE_GPU=1"
+    assert "-DDP_SWAP_CTA_RELEASE_GPU=1" in envs.onesided_tuning().compile_options
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "192")
+    with pytest.raises(ValueError, match="IPC_DPSAMPLE_VERIFY_BLOCK"):
+        envs.onesided_tuning()
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BLOCK")
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):
