@@ -155,7 +155,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_BLOCK",
             _one_of_ints(128, 256),
-            256,
+            128,
             "tuning: threads per CTA of the one-sided `verify_batch_vocab` record kernel (one "
             "CTA reduces one row at a time)",
         ),
@@ -243,7 +243,7 @@ class OnesidedTuning:
     graph_swap: str
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
-    verify_block: int = 256
+    verify_block: int = 128
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
 

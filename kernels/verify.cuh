@@ -754,6 +754,20 @@ __device__ __forceinline__ void dv_prefetch_l1(const void* p) {
 #endif
 }
 
+// The second pass's hint: 0 none, 1 into L1, 2 into L2.
+#ifndef DV_PASS2_PREFETCH
+#define DV_PASS2_PREFETCH 1
+#endif
+__device__ __forceinline__ void dv_prefetch_pass2(const void* p) {
+  if (DV_PASS2_PREFETCH == 1) dv_prefetch_l1(p);
+  if (DV_PASS2_PREFETCH == 2) dv_prefetch_l2(p);
+}
+
+// 16-byte loads per thread and round of the top-k gather (the second pass)
+#ifndef DV_GATHER_UNROLL
+#define DV_GATHER_UNROLL 2
+#endif
+
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
 #endif
@@ -898,22 +912,25 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  for (unsigned u = 2; u < 4; ++u)  // the next step's vectors on their way to L1
-    if (t + u * B < nvec) dv_prefetch_l1(vp + t + u * B);
-  for (unsigned v0 = 0; v0 < nvec; v0 += 2 * B) {  // uniform trip count (warp votes)
+  constexpr unsigned G = DV_GATHER_UNROLL;
+  for (unsigned u = G; u < 2 * G; ++u)  // the next round's vectors on their way
+    if (t + u * B < nvec) dv_prefetch_pass2(vp + t + u * B);
+  for (unsigned v0 = 0; v0 < nvec; v0 += G * B) {  // uniform trip count (warp votes)
     const unsigned v = v0 + t;
-    ArgmaxVec16 a, b;
-    a.w[0] = a.w[1] = a.w[2] = a.w[3] = 0u;
-    b = a;
-    if (v < nvec) a = argmax_load16(vp + v);
-    if (v + B < nvec) b = argmax_load16(vp + v + B);
-    if (v + 4 * B < nvec) dv_prefetch_l1(vp + v + 4 * B);  // and the step after it
-    if (v + 5 * B < nvec) dv_prefetch_l1(vp + v + 5 * B);
+    ArgmaxVec16 raw[G];
 #pragma unroll
-    for (unsigned h = 0; h < 2; ++h) {
+    for (unsigned h = 0; h < G; ++h) {
+      raw[h].w[0] = raw[h].w[1] = raw[h].w[2] = raw[h].w[3] = 0u;
+      if (v + h * B < nvec) raw[h] = argmax_load16(vp + v + h * B);
+    }
+#pragma unroll
+    for (unsigned h = 2 * G; h < 3 * G; ++h)  // and the round after it
+      if (v + h * B < nvec) dv_prefetch_pass2(vp + v + h * B);
+#pragma unroll
+    for (unsigned h = 0; h < G; ++h) {
       const unsigned vv = v + h * B;
       float xs[E];
-      ArgmaxUnpack<Tag>::run(h ? b : a, xs);
+      ArgmaxUnpack<Tag>::run(raw[h], xs);
       bool any = false;
 #pragma unroll
       for (unsigned j = 0; j < E; ++j) any |= xs[j] >= tv;
@@ -1114,14 +1131,14 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   ArgmaxVec16 cur;
   cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
   if (t < nvec) cur = argmax_load16(vp + t);
-  for (unsigned u = 2; u < 4; ++u)  // the vectors after the next on their way to L1
-    if (t + u * B < nvec) dv_prefetch_l1(vp + t + u * B);
+  for (unsigned u = 2; u < 4; ++u)  // the vectors after the next on their way
+    if (t + u * B < nvec) dv_prefetch_pass2(vp + t + u * B);
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
     if (v + B < nvec) nxt = argmax_load16(vp + v + B);
-    if (v + 4 * B < nvec) dv_prefetch_l1(vp + v + 4 * B);
+    if (v + 4 * B < nvec) dv_prefetch_pass2(vp + v + 4 * B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll

@@ -62,10 +62,10 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_SWAP_CTA_FENCE", "SYS")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM", "4")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "128")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
-    assert tun.verify_block == 128
+    assert tun.verify_block == 256
     assert tun.compile_options == (
         "-DDP_SWAP_UNROLL=8",
         "-DDP_SWAP_STREAMING=1",
