@@ -736,38 +736,6 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
-// Hints that a later load will read the 16-byte vector at p: into L2 (the first pass
-// over a row, from HBM) or into L1 (the second pass, from L2). Fire and forget, no
-// register waits for them; nothing on the CPU emulation.
-__device__ __forceinline__ void dv_prefetch_l2(const void* p) {
-#ifdef DP_ARGMAX_CPU_EMULATION
-  (void)p;
-#else
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-__device__ __forceinline__ void dv_prefetch_l1(const void* p) {
-#ifdef DP_ARGMAX_CPU_EMULATION
-  (void)p;
-#else
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-#endif
-}
-
-// The second pass's hint: 0 none, 1 into L1, 2 into L2.
-#ifndef DV_PASS2_PREFETCH
-#define DV_PASS2_PREFETCH 1
-#endif
-__device__ __forceinline__ void dv_prefetch_pass2(const void* p) {
-  if (DV_PASS2_PREFETCH == 1) dv_prefetch_l1(p);
-  if (DV_PASS2_PREFETCH == 2) dv_prefetch_l2(p);
-}
-
-// 16-byte loads per thread and round of the top-k gather (the second pass)
-#ifndef DV_GATHER_UNROLL
-#define DV_GATHER_UNROLL 2
-#endif
-
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
 #endif
@@ -801,16 +769,11 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  for (unsigned u = U; u < 2 * U; ++u)  // the next round's vectors on their way to L2
-    if (t + u * B < nvec) dv_prefetch_l2(vp + t + u * B);
   for (unsigned v = t; v < nvec; v += U * B) {
     ArgmaxVec16 raw[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
       if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
-#pragma unroll
-    for (unsigned u = 2 * U; u < 3 * U; ++u)  // and the round after it
-      if (v + u * B < nvec) dv_prefetch_l2(vp + v + u * B);
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
       if (v + u * B < nvec) {
@@ -854,8 +817,9 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
 // at or above it, so the row's first kk columns in key order are among them. Warp w
 // takes the r-th largest of its lanes' own maxima (key: my_key, 0 for a lane without
 // one), r = ceil(kk / warps); the block takes the smallest: each warp has r distinct
-// columns at or above its value, kk in all. With 256 threads over 19 008 columns about
-// a hundred columns pass. 0 (every column) when a warp is partial or r > 32.
+// columns at or above its value, kk in all. On random rows (a rough estimate) a few kk
+// columns pass (about a hundred for kk = 50 of 19 008); 0 (every column) when a warp is
+// partial or r > 32.
 __device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my_key,
                                                       unsigned kk) {
   const unsigned lane = threadIdx.x & 31u, W = dv_nwarps();
@@ -912,9 +876,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  constexpr unsigned G = DV_GATHER_UNROLL;
-  for (unsigned u = G; u < 2 * G; ++u)  // the next round's vectors on their way
-    if (t + u * B < nvec) dv_prefetch_pass2(vp + t + u * B);
+  constexpr unsigned G = 2;  // loads per thread and round
   for (unsigned v0 = 0; v0 < nvec; v0 += G * B) {  // uniform trip count (warp votes)
     const unsigned v = v0 + t;
     ArgmaxVec16 raw[G];
@@ -923,9 +885,6 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
       raw[h].w[0] = raw[h].w[1] = raw[h].w[2] = raw[h].w[3] = 0u;
       if (v + h * B < nvec) raw[h] = argmax_load16(vp + v + h * B);
     }
-#pragma unroll
-    for (unsigned h = 2 * G; h < 3 * G; ++h)  // and the round after it
-      if (v + h * B < nvec) dv_prefetch_pass2(vp + v + h * B);
 #pragma unroll
     for (unsigned h = 0; h < G; ++h) {
       const unsigned vv = v + h * B;
@@ -1131,14 +1090,11 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   ArgmaxVec16 cur;
   cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
   if (t < nvec) cur = argmax_load16(vp + t);
-  for (unsigned u = 2; u < 4; ++u)  // the vectors after the next on their way
-    if (t + u * B < nvec) dv_prefetch_pass2(vp + t + u * B);
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
     if (v + B < nvec) nxt = argmax_load16(vp + v + B);
-    if (v + 4 * B < nvec) dv_prefetch_pass2(vp + v + 4 * B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll
@@ -1214,7 +1170,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   dv_block_best(rs.red, m, max_id, unused);
   if (!has_nan && max_id == DV_NO_ID && ncols > 0) max_id = col0;  // every column -inf
   // the top-k rows' candidates: the columns at or above a threshold from the threads'
-  // own maxima (a second read of the row, from L2 mostly)
+  // own maxima (a second read of the row)
   bool gathered = false;
   if constexpr (kList) {
     if (list_len > 0 && !has_nan) {
