@@ -91,11 +91,11 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: The top-k selection's shared-memory candidate capacity: the default; one so small that
 #: every row takes the path that reads the row once per radix digit; and one between, that
 #: the tests' wide shards overflow only when the threshold is loose (partial warps, small
-#: blocks), which only the top-k tests below ask for (:data:`WITH_RAISES`: every test twice
-#: more would slow CI). The two small ones also build the first pass with one and with four
-#: vectors per round (``DV_MAX_UNROLL``; the default is two).
-CAND_CAPS = {"candidates": None, "raised": 320, "row-passes": 16}
-WITH_RAISES = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
+#: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
+#: twice more would slow CI). The two small ones also build the first pass with one and
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
+CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
+WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 
 
 @pytest.fixture(scope="module", params=["candidates", "row-passes"])
@@ -439,7 +439,7 @@ def test_kernels_real_rows_and_vocab_limit(lib: Any) -> None:
     _case(lib, 16, tp=2, vs=80, n=2, pad_bs=4, dtype="float32", mode="temperature", bs=0)
 
 
-@WITH_RAISES
+@WITH_EVERY_CAP
 def test_kernels_flat_and_peaked_rows(lib: Any) -> None:
     # flat rows (small scale): nuclei of many tokens, ties of scores far apart; peaked
     # rows (large scale): pruning of the temperature pass
@@ -482,12 +482,14 @@ def test_temperature_queues_on_wide_shards(lib: Any, block: int) -> None:
         )
 
 
-@WITH_RAISES
+@WITH_EVERY_CAP
 @pytest.mark.parametrize("block", [32, 256])
 def test_top_k_on_wide_shards(lib: Any, block: int) -> None:
-    # the top-k pass gathers the columns at or above a threshold that rises as they
-    # gather: wide shards (several raises with the "raised" capacity, an overflow back to
-    # the row passes on the tie rows), every dtype, with and without top-p / min-p
+    # the top-k pass gathers the columns at or above a threshold from the lanes' own
+    # maxima: wide shards, full warps (a tight threshold) and one warp (block 32: the
+    # k-th largest of 32 lane maxima, or every column for k > 32, which the "small"
+    # capacity overflows back to the row passes, as it does on the tie rows), every
+    # dtype, with and without top-p / min-p
     for k, (dtype, mode, specials) in enumerate(
         [
             ("float32", "top_k", True),
@@ -509,12 +511,12 @@ def test_top_k_on_wide_shards(lib: Any, block: int) -> None:
         )
 
 
-@WITH_RAISES
+@WITH_EVERY_CAP
 def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
-    # top-k 3: the first 256 columns hold three 1.0 (the third largest so far, on the
-    # lower edge of its radix digit [1.0, 1.25)) among -100; the threshold rises there
-    # (with the "raised" capacity) and later columns of the same digit, 1.1 and 1.2, must
-    # still be gathered: they are the row's first three
+    # top-k 3 on one warp: three 1.0, one 1.1 and two 1.2 among -100; the threshold (the
+    # third largest of the lanes' maxima) sits at or below the third largest column, and
+    # the row's first three, 1.2, 1.2 and 1.1, must all be gathered (the name is from the
+    # radix-digit threshold this case was written for)
     tp, vs, n, pad_bs = 1, 1000, 1, 8
     g = np.random.default_rng(24)
     full = np.full((pad_bs, vs), -100.0, np.float32)
@@ -564,7 +566,7 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
 
 
-@WITH_RAISES
+@WITH_EVERY_CAP
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_column_blocks_combine_like_shards(lib: Any, splits: int) -> None:
     # small batches: the one-sided push splits each shard row into column blocks, one
