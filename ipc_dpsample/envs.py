@@ -65,6 +65,15 @@ def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _verify_block(raw: str) -> int:
+    value = raw.strip().lower()
+    if value == "auto":
+        return 0
+    if value not in ("128", "256"):
+        raise ValueError(f"{value!r}; expected 'auto', '128' or '256'")
+    return int(value)
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -154,10 +163,11 @@ REGISTRY: dict[str, EnvVar] = {
         ),
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_BLOCK",
-            _one_of_ints(128, 256),
-            128,
+            _verify_block,
+            0,
             "tuning: threads per CTA of the one-sided `verify_batch_vocab` record kernel (one "
-            "CTA reduces one row at a time)",
+            "CTA reduces one row at a time): `auto` (256 when the rows of the ranks on a GPU "
+            "fit in one wave of such CTAs, else 128), `128` or `256`",
         ),
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_CTAS_PER_SM",
@@ -243,7 +253,7 @@ class OnesidedTuning:
     graph_swap: str
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
-    verify_block: int = 128
+    verify_block: int = 0  # 0: auto (verify_plan.verify_block)
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
 

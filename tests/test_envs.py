@@ -78,9 +78,12 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
     assert "-DDP_SWAP_CTA_RELEASE_GPU=1" in envs.onesided_tuning().compile_options
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "192")
-    with pytest.raises(ValueError, match="IPC_DPSAMPLE_VERIFY_BLOCK"):
+    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_BLOCK='192'.*'auto', '128'"):
         envs.onesided_tuning()
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "Auto")
+    assert envs.onesided_tuning().verify_block == 0  # verify_plan.verify_block decides
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BLOCK")
+    assert envs.onesided_tuning().verify_block == 0
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):

@@ -28,6 +28,8 @@ from ipc_dpsample.backends.verify_plan import (
     DV_MERGE_MAX,
     SPLIT_MIN_COLUMNS,
     SPLIT_TARGET_UNITS,
+    VERIFY_BLOCK_FEW_ROWS,
+    VERIFY_BLOCK_MANY_ROWS,
     call_digest,
     kernel_path_refusal,
     list_cap,
@@ -35,6 +37,7 @@ from ipc_dpsample.backends.verify_plan import (
     param_bytes,
     param_offsets,
     record_words,
+    verify_block,
     verify_splits,
 )
 from ipc_dpsample.layout import reference_verify_batch_vocab, verify_params
@@ -593,6 +596,18 @@ def test_column_blocks_combine_like_shards(lib: Any, splits: int) -> None:
             vocab_limit=350 if k % 2 else None,
             splits=splits,
         )
+
+
+def test_verify_block_widens_the_ctas_of_small_batches_only() -> None:
+    # 8 ranks on one H100 or H200 (132 SMs, 3 CTAs of 256 threads each): pad_bs=8, N=4
+    # fits in one wave of 256-thread CTAs, pad_bs=256 does not
+    assert verify_block(rows=32, gpu_sharing=8, resident_ctas=396) == VERIFY_BLOCK_FEW_ROWS
+    assert verify_block(rows=1024, gpu_sharing=8, resident_ctas=396) == VERIFY_BLOCK_MANY_ROWS
+    assert verify_block(rows=1024, gpu_sharing=1, resident_ctas=396) == VERIFY_BLOCK_MANY_ROWS
+    assert verify_block(rows=396, gpu_sharing=1, resident_ctas=396) == VERIFY_BLOCK_FEW_ROWS
+    assert verify_block(rows=397, gpu_sharing=1, resident_ctas=396) == VERIFY_BLOCK_MANY_ROWS
+    assert verify_block(rows=1, gpu_sharing=0, resident_ctas=0) == VERIFY_BLOCK_FEW_ROWS
+    assert (VERIFY_BLOCK_FEW_ROWS, VERIFY_BLOCK_MANY_ROWS) == (256, 128)
 
 
 def test_verify_splits_stay_within_what_the_owners_hold() -> None:

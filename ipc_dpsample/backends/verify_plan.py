@@ -24,6 +24,8 @@ __all__ = [
     "PARAM_FIELDS",
     "SPLIT_MIN_COLUMNS",
     "SPLIT_TARGET_UNITS",
+    "VERIFY_BLOCK_FEW_ROWS",
+    "VERIFY_BLOCK_MANY_ROWS",
     "call_digest",
     "device_list_cap",
     "kernel_path_refusal",
@@ -32,6 +34,7 @@ __all__ = [
     "param_bytes",
     "param_offsets",
     "record_words",
+    "verify_block",
     "verify_splits",
 ]
 
@@ -49,6 +52,11 @@ DV_MAX_SOURCES = 64
 SPLIT_TARGET_UNITS = 256
 #: ... of at least this many columns each.
 SPLIT_MIN_COLUMNS = 2048
+#: Threads of a one-sided record CTA (one row at a time) when the rows of the ranks on a
+#: GPU fit in one wave of such CTAs: each row over more threads, a shorter row latency ...
+VERIFY_BLOCK_FEW_ROWS = 256
+#: ... and when they do not: more CTAs per SM (both measured on an H100: BENCHMARKS.md).
+VERIFY_BLOCK_MANY_ROWS = 128
 
 #: The per-request arrays the kernels read (``struct DvParamPtrs``), in argument order.
 PARAM_FIELDS = (
@@ -137,6 +145,31 @@ def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int, split
     owner compares: ranks that disagree raise."""
     words = [vocab_limit, cap, int(return_logprobs), n] + ([splits] if splits != 1 else [])
     return zlib.crc32(np.array(words, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def verify_block(*, rows: int, gpu_sharing: int, resident_ctas: int) -> int:
+    """Threads per CTA of the one-sided record kernel for a call of ``rows`` rows.
+
+    Parameters
+    ----------
+    rows : int
+        ``pad_bs * N``, the rows of the padded batch on each rank.
+    gpu_sharing : int
+        The most ranks of the group on one GPU.
+    resident_ctas : int
+        :data:`VERIFY_BLOCK_FEW_ROWS`-thread CTAs of the kernel that fit on the GPU at once.
+
+    Returns
+    -------
+    int
+        :data:`VERIFY_BLOCK_FEW_ROWS` when the rows of every rank on the GPU fit in one wave
+        of such CTAs, else :data:`VERIFY_BLOCK_MANY_ROWS`. It depends only on the call's
+        shape and the group's layout, so every rank picks the same (the records do not
+        depend on it: every block size computes the same bits).
+    """
+    if rows * max(1, gpu_sharing) <= max(1, resident_ctas):
+        return VERIFY_BLOCK_FEW_ROWS
+    return VERIFY_BLOCK_MANY_ROWS
 
 
 def verify_splits(

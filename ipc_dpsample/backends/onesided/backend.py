@@ -47,6 +47,8 @@ from ..common import InFlightGuard, PreparedLaunch, ViewCache, array_ptr
 from ..verify_plan import (
     DV_MAX_N,
     DV_MERGE_MAX,
+    VERIFY_BLOCK_FEW_ROWS,
+    VERIFY_BLOCK_MANY_ROWS,
     call_digest,
     device_list_cap,
     kernel_path_refusal,
@@ -54,6 +56,7 @@ from ..verify_plan import (
     pack_params,
     param_bytes,
     param_offsets,
+    verify_block,
     verify_splits,
 )
 from ..verify_swap import verify_by_swap
@@ -209,8 +212,9 @@ class OnesidedBackend(Backend):
         # the record kernels loop over rows: as many CTAs as fit on the GPU at once (their
         # registers and shared memory decide how many), so no CTA waits for a second wave
         self._resident_grid = {
-            name: self._sm_count * _resident_ctas(self._kernels[name], tuning.verify_block)
+            (name, block): self._sm_count * _resident_ctas(self._kernels[name], block)
             for name in ("dp_verify_push", "dp_verify_push_nolist")
+            for block in (VERIFY_BLOCK_FEW_ROWS, VERIFY_BLOCK_MANY_ROWS)
         }
         self._err = DpErrorBlock.from_address(self.arena.err_host)
         self._err_code = ctypes.c_uint32.from_address(self.arena.err_host)
@@ -509,11 +513,16 @@ class OnesidedBackend(Backend):
         region = (lay.verify_off, lay.verify_region_bytes)
         rows = pad_bs * cfg.num_tokens_per_req
         name = "dp_verify_push" if lists else "dp_verify_push_nolist"
-        push_grid = self._resident_grid[name]
+        block = self.tuning.verify_block or verify_block(
+            rows=rows,
+            gpu_sharing=self._gpu_sharing,
+            resident_ctas=self._resident_grid[(name, VERIFY_BLOCK_FEW_ROWS)],
+        )
+        push_grid = self._resident_grid[(name, block)]
         push = self._launch(
             name,
             max(1, min(rows, push_grid)),  # the grid of each call: its blocks, at most this
-            self.tuning.verify_block,
+            block,
             (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
             14,
         )
