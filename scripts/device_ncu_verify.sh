@@ -8,7 +8,8 @@
 # occupancy); LIMIT the seconds per point (default 90). SOURCE=1 profiles the record
 # kernel alone, built with -lineinfo, with the source counters, and writes the
 # instructions and stall samples per CUDA line and per SASS instruction
-# (src-MIX-bPAD-{cuda,sass}.csv.gz) instead.
+# (src-MIX-bPAD-{cuda,sass}.csv.gz) instead; scripts/ncu_sass_summary.py reads the SASS
+# one anywhere (no GPU needed).
 set -u
 # shellcheck source=scripts/device_steps.sh
 . "$(dirname "$0")/device_steps.sh"
