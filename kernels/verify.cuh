@@ -917,10 +917,13 @@ __device__ void dv_select_few(const DvRecordShared& sh, unsigned n, unsigned kk,
   const unsigned t = threadIdx.x;
   if (t < n) {
     const unsigned key = sh.k.cand_key[t], id = sh.k.cand_id[t];
+    // (key desc, id asc) as one 64-bit order, larger first: no branch per candidate
+    const dv_u64 me = ((dv_u64)key << 32) | (dv_u64)(~id);
     unsigned r = 0;
+#pragma unroll 4
     for (unsigned j = 0; j < n; ++j) {
-      const unsigned kj = sh.k.cand_key[j];
-      r += (kj > key || (kj == key && sh.k.cand_id[j] < id)) ? 1u : 0u;
+      const dv_u64 o = ((dv_u64)sh.k.cand_key[j] << 32) | (dv_u64)(~sh.k.cand_id[j]);
+      r += o > me ? 1u : 0u;
     }
     if (r < kk) {
       rec[DV_HDR + r] = argmax_f2u(dv_key_value(key));
