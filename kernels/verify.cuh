@@ -510,7 +510,7 @@ struct DvTopKShared {
   unsigned sel_key[DV_TOPK_MAX];
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
-  unsigned found_bin, found_above, n_gt, n_eq, n_cand, thr;
+  unsigned found_bin, found_above, n_gt, n_eq, n_cand;
 };
 
 // A record kernel's shared memory without top-k lists (kcap == 0) ...
