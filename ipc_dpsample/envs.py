@@ -187,8 +187,8 @@ REGISTRY: dict[str, EnvVar] = {
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
-            "profiling (compile time): build every kernel with `-lineinfo`, so that ncu and "
-            "compute-sanitizer map SASS to source lines",
+            "profiling (compile time): build every kernel with `-lineinfo` (line numbers for "
+            "ncu's source counters and compute-sanitizer's reports)",
         ),
         EnvVar(
             "CUDA_DEVICE_MAX_CONNECTIONS",

@@ -7,9 +7,9 @@
 # SECTIONS overrides the ncu sections (default: speed of light, warp states, launch,
 # occupancy); LIMIT the seconds per point (default 90). SOURCE=1 profiles the record
 # kernel alone, built with -lineinfo, with the source counters, and writes the
-# instructions and stall samples per CUDA line and per SASS instruction
-# (src-MIX-bPAD-{cuda,sass}.csv.gz) instead; scripts/ncu_sass_summary.py reads the SASS
-# one anywhere (no GPU needed).
+# instructions and stall samples per SASS instruction (src-MIX-bPAD-sass.csv.gz; NVRTC
+# keeps no source file, so ncu has no CUDA-line view of these kernels) instead;
+# scripts/ncu_sass_summary.py reads it anywhere (no GPU needed).
 set -u
 # shellcheck source=scripts/device_steps.sh
 . "$(dirname "$0")/device_steps.sh"
@@ -32,10 +32,8 @@ if [ "${SOURCE:-0}" = 1 ]; then
         --launch-count 1 --section SourceCounters --section WarpStateStats \
         --section InstructionStats --section SpeedOfLight --import-source yes -f -o "$rep" \
         $(bench_args "$mix" "$pad")
-      for what in cuda sass; do
-        ncu -i "$rep.ncu-rep" --page source --csv --print-source "$what" 2>&1 |
-          gzip > "$out/src-$mix-b$pad-$what.csv.gz"
-      done
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass 2>&1 |
+        gzip > "$out/src-$mix-b$pad-sass.csv.gz"
       ncu -i "$rep.ncu-rep" --print-details all >> "$out/ncu-src.log" 2>&1
     done
   done
