@@ -285,6 +285,7 @@ class OnesidedTuning:
             f"-DDP_SWAP_CTA_RELEASE_GPU={int(self.cta_fence == 'gpu')}",
             f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
+            f"-DDV_STAGED_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
         )
 

@@ -469,7 +469,7 @@ __device__ void dp_report_value(const DpDesc& d, u32 req, u32 why, u32 bits, u32
 }
 
 template <typename Tag, bool kList, bool kStaged>
-__device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src_ptr, const int* cand,
+__device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
                                                  u32 digest, u32 real_rows, u32 splits,
                                                  u32 rpd, u32 ncols, u32 limit, u64 region,
@@ -484,34 +484,27 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src_ptr, c
   // 16-byte aligned when the row does), each its own record: source rank * splits + block
   const u32 cs = ((ncols + splits - 1u) / splits + 7u) & ~7u;
   const u32 units = real_rows * splits;
-  // unit u: column block sp of row g
-  auto src = [&](u32 u, const S** row, u32* nc) {
-    const u32 g = u / splits, sp = u - g * splits;
-    const u32 c0 = sp * cs;  // the block's first column in the shard
-    *row = (const S*)src_ptr + (u64)g * ncols + c0;
-    *nc = local_limit > c0 ? (local_limit - c0 < cs ? local_limit - c0 : cs) : 0u;
-  };
-  auto unit = [&](u32 u, const S* row) {
+  for (u32 u = blockIdx.x; u < units; u += gridDim.x) {
     const u32 g = u / splits, sp = u - g * splits;
     const u32 req = g / d.n, pos = g - req * d.n;
     const u32 dest = g / rpd, i = g - dest * rpd;
-    const u32 c0 = sp * cs;
+    const u32 c0 = sp * cs;  // the block's first column in the shard
     const u32 nc = local_limit > c0 ? (local_limit - c0 < cs ? local_limit - c0 : cs) : 0u;
     u32 bad, bits, dg = digest;
     const DvParams p = dv_load_params(q, req, limit, &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
     unsigned* rec = (unsigned*)(peers[dest] + region) +
                     (((u64)d.rank * splits + sp) * rpd + i) * rec_words;
-    if constexpr (kStaged)
-      dv_row_record<DvStaged<Tag>, kList>(row, nc, col0 + c0, p, pos, kcap, want_lp,
+    const S* row = (const S*)src + (u64)g * ncols + c0;
+    if constexpr (kStaged) {
+      const S* staged = dv_stage_row<Tag>(row, nc, stage);
+      dv_row_record<DvStaged<Tag>, kList>(staged, nc, col0 + c0, p, pos, kcap, want_lp,
                                           (unsigned)cand[g], dg, rec, rs, qu, ls);
-    else
+    } else {
       dv_row_record<Tag, kList>(row, nc, col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g],
                                 dg, rec, rs, qu, ls);
-  };
-  // two staging buffers of the widest block each (the host gives 2 * stage_bytes(ncols))
-  const u32 per = dv_stage_vecs(cs < ncols ? cs : ncols, sizeof(S));
-  dv_for_units<Tag, kStaged>(blockIdx.x, units, gridDim.x, stage, per, src, unit);
+    }
+  }
 }
 
 template <bool kList, bool kStaged>
@@ -603,9 +596,8 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
 }
 
 // The same pushes, each row (column block) first staged in dynamic shared memory
-// (dv_for_units: one read of global memory whatever the mode, the next row's copy in
-// flight while a row's passes run); the launch gives 2 * verify_plan.stage_bytes(ncols,
-// itemsize) bytes of it.
+// (dv_stage_row: one read of global memory whatever the mode); the launch gives
+// verify_plan.stage_bytes(columns of a block, itemsize) bytes of it.
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
     dp_verify_push_staged(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
                           u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,

@@ -29,9 +29,8 @@
 //
 //   dp_verify_records_staged, dp_verify_records_nolist_staged(the same arguments)
 //     the same records, each row first copied into dynamic shared memory (one read of
-//     global memory whatever the mode; the next row's copy in flight while a row's
-//     passes run); the launch gives 2 * stage_bytes(ncols, itemsize) bytes of it
-//     (ipc_dpsample.backends.verify_plan.stage_bytes)
+//     global memory whatever the mode); the launch gives stage_bytes(ncols, itemsize)
+//     bytes of it (ipc_dpsample.backends.verify_plan.stage_bytes)
 //
 //   dp_verify_combine(u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
 //                     u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
@@ -66,29 +65,25 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
   i64 limit = vocab_limit - col0;
   limit = limit < 0 ? 0 : (limit > ncols ? ncols : limit);
   const unsigned rec_words = DV_HDR + 2 * kcap;
-  const unsigned nc = static_cast<unsigned>(limit), c0 = static_cast<unsigned>(col0);
-  auto src_of = [&](unsigned g, const S** row, unsigned* n_cols) {
-    *row = reinterpret_cast<const S*>(src) + static_cast<i64>(g) * ncols;
-    *n_cols = nc;
-  };
-  auto unit = [&](unsigned g, const S* row) {
+  for (i64 g = blockIdx.x; g < real_rows; g += gridDim.x) {
     const i64 req = g / n;
     const unsigned d = static_cast<unsigned>(g - req * n);
     unsigned bad, bits, dg = digest;
     const DvParams p = dv_load_params(q, static_cast<unsigned>(req),
                                       static_cast<unsigned>(vocab_limit), &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) atomicCAS(err_value, 0u, (bad << 24) | static_cast<unsigned>(req));
-    unsigned* rec = reinterpret_cast<unsigned*>(out_words) + static_cast<i64>(g) * rec_words;
+    unsigned* rec = reinterpret_cast<unsigned*>(out_words) + g * rec_words;
+    const S* row = reinterpret_cast<const S*>(src) + g * ncols;
+    const unsigned nc = static_cast<unsigned>(limit), c0 = static_cast<unsigned>(col0);
     const unsigned cg = static_cast<unsigned>(cand[g]);
-    if constexpr (kStaged)
-      dv_row_record<DvStaged<Tag>, kList>(row, nc, c0, p, d, kcap, want_lp, cg, dg, rec, rs, qu,
-                                          ls);
-    else
+    if constexpr (kStaged) {
+      const S* staged = dv_stage_row<Tag>(row, nc, stage);
+      dv_row_record<DvStaged<Tag>, kList>(staged, nc, c0, p, d, kcap, want_lp, cg, dg, rec, rs,
+                                          qu, ls);
+    } else {
       dv_row_record<Tag, kList>(row, nc, c0, p, d, kcap, want_lp, cg, dg, rec, rs, qu, ls);
-  };
-  // two staging buffers of a row each (the launch gives 2 * stage_bytes(ncols))
-  dv_for_units<Tag, kStaged>(blockIdx.x, static_cast<unsigned>(real_rows), gridDim.x, stage,
-                             dv_stage_vecs(nc, sizeof(S)), src_of, unit);
+    }
+  }
 }
 
 template <bool kList, bool kStaged>
@@ -141,8 +136,8 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                     out_words, err_value, sh.row, sh.q, nullptr, nullptr);
 }
 
-// The same records, each row first staged in dynamic shared memory (dv_for_units): the
-// launch gives 2 * verify_plan.stage_bytes(ncols, itemsize) bytes of it.
+// The same records, each row first staged in dynamic shared memory (dv_stage_row):
+// the launch gives verify_plan.stage_bytes(columns, itemsize) bytes of it.
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
     dp_verify_records_staged(u64 src, u64 cand, u64 temperature, u64 top_k, u64 top_p,
                              u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,

@@ -59,11 +59,10 @@
 #ifndef DV_NOLIST_MIN_CTAS
 #define DV_NOLIST_MIN_CTAS 3
 #endif
-// ... and the staged ones, whose CTAs per SM their two row buffers in shared memory
-// limit anyway (float32 shards of 19 008 columns: 1; 16-bit ones: 2): up to 128
-// registers, no spills.
+// ... and the staged ones (a row in dynamic shared memory; their CTAs per SM are mostly
+// limited by it: 2 for float32 shards of 19 008 columns).
 #ifndef DV_STAGED_MIN_CTAS
-#define DV_STAGED_MIN_CTAS 2
+#define DV_STAGED_MIN_CTAS 3
 #endif
 #define DV_TOPK_MAX 128
 #define DV_HDR 12
@@ -554,27 +553,24 @@ struct DvLoad<DvStaged<Base>> {
 #endif
 
 // 16-byte vectors of shared memory a staged row of `ncols` elements of `item` bytes
-// needs (dv_stage_issue): the columns up to the first 16-byte boundary of the source sit
-// at the same offset in their own vector. The staged kernels hold two such buffers (the
-// host gives 2 * verify_plan.stage_bytes of the widest row).
+// needs (dv_stage_row; the host sizes the dynamic shared memory with the same formula,
+// verify_plan.stage_bytes): the columns up to the first 16-byte boundary of the source
+// sit at the same offset in their own vector.
 __device__ __forceinline__ unsigned dv_stage_vecs(unsigned ncols, unsigned item) {
   return (ncols * item + 15u) / 16u + 1u;
 }
 
-// Start copying `ncols` columns of `row` (global memory) into buffer `slot` of `base`
-// (dynamic shared memory, `per` 16-byte vectors a buffer) and return the copy's first
-// column: it has the source's offset within 16 bytes, so the passes split the copy
-// exactly as the source (scalar head, vectors, scalar tail). The vectors travel as one
-// asynchronous group (cp.async: in flight without registers); dv_stage_wait makes them
-// visible. Every thread of the block calls it. Reads only the row's own bytes.
+// Copy `ncols` columns of `row` (global memory) into `buf` (shared memory, 16-byte
+// aligned, dv_stage_vecs(ncols) vectors) and return the copy's first column: it has the
+// source's offset within 16 bytes, so the passes split the copy exactly as the source
+// (scalar head, vectors, scalar tail). Every thread of the block calls it; the copy is
+// complete and visible to every thread when it returns. Reads only the row's own bytes.
 template <typename Tag>
-__device__ const typename Tag::Storage* dv_stage_issue(const typename Tag::Storage* row,
-                                                        unsigned ncols, ArgmaxVec16* base,
-                                                        unsigned per, unsigned slot) {
+__device__ const typename Tag::Storage* dv_stage_row(const typename Tag::Storage* row,
+                                                      unsigned ncols, ArgmaxVec16* buf) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   const unsigned t = threadIdx.x, B = blockDim.x;
-  ArgmaxVec16* buf = base + slot * per;
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
@@ -583,7 +579,7 @@ __device__ const typename Tag::Storage* dv_stage_issue(const typename Tag::Stora
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   ArgmaxVec16* dv = buf + (mis ? 1u : 0u);  // vector v of the source's middle
 #ifdef DV_STAGE_CHECK
-  DV_STAGE_CHECK(slot * per + dv_stage_vecs(ncols, sizeof(S)));  // the emulation: it fits
+  DV_STAGE_CHECK(dv_stage_vecs(ncols, sizeof(S)));  // the emulation: the buffer holds it
 #endif
   for (unsigned v = t; v < nvec; v += B) {
 #if defined(DP_ARGMAX_CPU_EMULATION)
@@ -597,7 +593,6 @@ __device__ const typename Tag::Storage* dv_stage_issue(const typename Tag::Stora
     dv[v] = argmax_load16(vp + v);
 #endif
   }
-  // a row off a 16-byte boundary (rare: V/tp * itemsize is mostly a multiple of 16)
   for (unsigned c = t; c < head; c += B) {
     DP_ARGMAX_COUNT_LOAD(row + c, sizeof(S));
     dst[c] = row[c];
@@ -607,63 +602,10 @@ __device__ const typename Tag::Storage* dv_stage_issue(const typename Tag::Stora
     dst[c] = row[c];
   }
 #if !defined(DP_ARGMAX_CPU_EMULATION) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-  return dst;
-}
-
-// Wait for the copies dv_stage_issue started, except the latest one when `newer` (the
-// next row's, still in flight while this row's passes run), and make them visible to
-// every thread. Every thread of the block calls it.
-__device__ __forceinline__ void dv_stage_wait(bool newer) {
-#if !defined(DP_ARGMAX_CPU_EMULATION) && __CUDA_ARCH__ >= 800
-  if (newer)
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-  else
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#else
-  (void)newer;
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
 #endif
   __syncthreads();
-}
-
-// The rows (units) of a record kernel, unit after unit from `first` in steps of `step`:
-// unit(u, staged) runs the record of unit u; src(u, &row, &ncols) names its columns.
-// kStaged: each unit's row is copied into one of two shared-memory buffers of `per`
-// vectors at `stage`, the next unit's copy in flight while this one's passes run, and
-// unit() gets the copy; else unit() gets the row in global memory.
-template <typename Tag, bool kStaged, typename Src, typename Unit>
-__device__ __forceinline__ void dv_for_units(unsigned first, unsigned units, unsigned step,
-                                             ArgmaxVec16* stage, unsigned per, Src&& src,
-                                             Unit&& unit) {
-  typedef typename Tag::Storage S;
-  if constexpr (kStaged) {
-    if (first >= units) return;
-    const S* row;
-    unsigned nc;
-    src(first, &row, &nc);
-    unsigned slot = 0;
-    const S* cur = dv_stage_issue<Tag>(row, nc, stage, per, slot);
-    for (unsigned u = first; u < units; u += step) {
-      const unsigned nu = u + step;
-      const S* nxt = nullptr;
-      if (nu < units) {
-        src(nu, &row, &nc);
-        nxt = dv_stage_issue<Tag>(row, nc, stage, per, slot ^ 1u);
-      }
-      dv_stage_wait(nu < units);
-      unit(u, cur);  // (it ends with a barrier: the buffer is free for the unit after next)
-      cur = nxt;
-      slot ^= 1u;
-    }
-  } else {
-    for (unsigned u = first; u < units; u += step) {
-      const S* row;
-      unsigned nc;
-      src(u, &row, &nc);
-      unit(u, row);
-    }
-  }
+  return dst;
 }
 
 // -- the record of one row of one shard -------------------------------------------

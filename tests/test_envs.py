@@ -73,6 +73,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDP_SWAP_CTA_RELEASE_GPU=0",
         "-DDV_LIST_MIN_CTAS=4",
         "-DDV_NOLIST_MIN_CTAS=4",
+        "-DDV_STAGED_MIN_CTAS=4",
         "-DDV_MAX_UNROLL=1",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")

@@ -262,7 +262,7 @@ def run_kernels(
             records_kernel(grid, block, _addr(_words(args)))
             if lib.staged:  # the host's shared-memory size holds every row the kernel staged
                 need = 16 * int(lib.emu_stage_need())
-                room = 2 * stage_bytes(block_cols.shape[1], block_cols.itemsize)
+                room = stage_bytes(block_cols.shape[1], block_cols.itemsize)
                 assert need <= room, f"a staged row needs {need} bytes, the host gives {room}"
             records.append(out)
         values.append(int(ev[0]))

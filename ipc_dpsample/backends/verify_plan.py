@@ -176,11 +176,10 @@ def verify_block(*, rows: int, gpu_sharing: int, resident_ctas: int) -> int:
 
 
 def stage_bytes(ncols: int, itemsize: int) -> int:
-    """Bytes of one of the two shared-memory buffers of a staged record kernel
-    (``*_staged``; the launch gives twice this) for rows of ``ncols`` columns of
-    ``itemsize`` bytes: ``kernels/verify.cuh`` ``dv_stage_vecs`` 16-byte vectors (the
-    row's bytes, plus one vector for a source that does not start on a 16-byte
-    boundary).
+    """Bytes of dynamic shared memory a staged record kernel (``*_staged``) needs for
+    rows of ``ncols`` columns of ``itemsize`` bytes: ``kernels/verify.cuh``
+    ``dv_stage_vecs`` 16-byte vectors (the row's bytes, plus one vector for a source
+    that does not start on a 16-byte boundary).
 
     Parameters
     ----------
@@ -200,7 +199,7 @@ def stage_bytes(ncols: int, itemsize: int) -> int:
 #: Staged CTAs of :data:`VERIFY_BLOCK_FEW_ROWS` threads an SM must hold at once for
 #: ``auto`` to stage rows (:func:`use_staged`): with fewer, one CTA's copy and another's
 #: passes cannot overlap.
-STAGED_MIN_RESIDENT = 1
+STAGED_MIN_RESIDENT = 2
 
 
 def use_staged(mode: str, resident_per_sm: int) -> bool:

@@ -549,10 +549,9 @@ class OnesidedBackend(Backend):
         region = (lay.verify_off, lay.verify_region_bytes)
         rows = pad_bs * cfg.num_tokens_per_req
         plain, staged_name = _PUSH_KERNELS[lists]
-        # staged: every row (or column block, at most the whole shard) copied into one of
-        # two shared-memory buffers first (the next row's copy in flight while a row's
-        # passes run), with 256-thread CTAs
-        shared = 2 * stage_bytes(vs, Dtype.of(dtype).itemsize)
+        # staged: every row (or column block, at most the whole shard) copied into shared
+        # memory first, with 256-thread CTAs (the passes run from shared memory)
+        shared = stage_bytes(vs, Dtype.of(dtype).itemsize)
         resident = 0
         if shared <= self._stage_room[staged_name]:
             resident = _resident_ctas(self._kernels[staged_name], VERIFY_BLOCK_FEW_ROWS, shared)
