@@ -74,13 +74,6 @@ def _verify_block(raw: str) -> int:
     return int(value)
 
 
-def _verify_stage(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{value!r}; expected 'auto', 'on' or 'off'")
-    return value
-
-
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -177,16 +170,6 @@ REGISTRY: dict[str, EnvVar] = {
             "fit in one wave of such CTAs, else 128), `128` or `256`",
         ),
         EnvVar(
-            "IPC_DPSAMPLE_VERIFY_STAGE",
-            _verify_stage,
-            "auto",
-            "tuning: whether the one-sided `verify_batch_vocab` record kernel first copies "
-            "each row into shared memory (one read of global memory, every pass from the "
-            "copy): `auto` (when two 256-thread CTAs with their rows fit on an SM: on an H100 or "
-            "H200, float32 shards up to about 22 000 columns, 16-bit ones up to 44 000), `on` "
-            "(whenever a row fits) or `off`",
-        ),
-        EnvVar(
             "IPC_DPSAMPLE_VERIFY_CTAS_PER_SM",
             _one_of_ints(2, 3, 4),
             3,
@@ -271,7 +254,6 @@ class OnesidedTuning:
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
     verify_block: int = 0  # 0: auto (verify_plan.verify_block)
-    verify_stage: str = "auto"  # verify_plan.use_staged
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
 
@@ -285,7 +267,6 @@ class OnesidedTuning:
             f"-DDP_SWAP_CTA_RELEASE_GPU={int(self.cta_fence == 'gpu')}",
             f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
-            f"-DDV_STAGED_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
         )
 
@@ -304,7 +285,6 @@ def onesided_tuning() -> OnesidedTuning:
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
         cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
         verify_block=get("IPC_DPSAMPLE_VERIFY_BLOCK"),
-        verify_stage=get("IPC_DPSAMPLE_VERIFY_STAGE"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
     )

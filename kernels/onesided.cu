@@ -468,14 +468,13 @@ __device__ void dp_report_value(const DpDesc& d, u32 req, u32 why, u32 bits, u32
   __threadfence_system();
 }
 
-template <typename Tag, bool kList, bool kStaged>
+template <typename Tag, bool kList>
 __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const int* cand,
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
                                                  u32 digest, u32 real_rows, u32 splits,
                                                  u32 rpd, u32 ncols, u32 limit, u64 region,
                                                  u32 sig, DvRowShared& rs, DvQueue& qu,
-                                                 DvRecordShared* ls, ArgmaxVec16* stage) {
-  typedef typename Tag::Storage S;
+                                                 DvRecordShared* ls) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
   const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
@@ -495,19 +494,13 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
     unsigned* rec = (unsigned*)(peers[dest] + region) +
                     (((u64)d.rank * splits + sp) * rpd + i) * rec_words;
-    const S* row = (const S*)src + (u64)g * ncols + c0;
-    if constexpr (kStaged) {
-      const S* staged = dv_stage_row<Tag>(row, nc, stage);
-      dv_row_record<DvStaged<Tag>, kList>(staged, nc, col0 + c0, p, pos, kcap, want_lp,
-                                          (unsigned)cand[g], dg, rec, rs, qu, ls);
-    } else {
-      dv_row_record<Tag, kList>(row, nc, col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g],
-                                dg, rec, rs, qu, ls);
-    }
+    dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols + c0, nc,
+                              col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs,
+                              qu, ls);
   }
 }
 
-template <bool kList, bool kStaged>
+template <bool kList>
 __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 temperature,
                                             u64 top_k, u64 top_p, u64 min_p, u64 seed,
                                             u64 offset, i64 kcap, i64 want_lp, i64 digest,
@@ -515,8 +508,7 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
                                             const DpDesc& d, i64 pad_bs, i64 ncols,
                                             i64 vocab_limit, i64 dtype_code, u64 sig,
                                             u64 region_off, i64 region_bytes, DvRowShared& rs,
-                                            DvQueue& qu, DvRecordShared* ls,
-                                            ArgmaxVec16* stage) {
+                                            DvQueue& qu, DvRecordShared* ls) {
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
   const u32 e = s.e, parity = s.parity, full_sig = s.sig;
@@ -531,14 +523,14 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
   const u32 kc = (u32)kcap, dg = (u32)digest, lim = (u32)vocab_limit, nc = (u32)ncols;
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
-    verify_push_rows<ArgmaxBf16, kList, kStaged>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                        lim, region, full_sig, rs, qu, ls, stage);
+    verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                        lim, region, full_sig, rs, qu, ls);
   else if (dtype_code == 2)
-    verify_push_rows<ArgmaxF16, kList, kStaged>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                       lim, region, full_sig, rs, qu, ls, stage);
+    verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                       lim, region, full_sig, rs, qu, ls);
   else
-    verify_push_rows<ArgmaxF32, kList, kStaged>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                       lim, region, full_sig, rs, qu, ls, stage);
+    verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
+                                       lim, region, full_sig, rs, qu, ls);
 
   __shared__ u32 last;
   __syncthreads();
@@ -576,9 +568,9 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
                    i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
                    i64 region_bytes) {
   __shared__ DvRecordShared sh;
-  verify_push<true, false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
+  verify_push<true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                     want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
-                    dtype_code, sig, region_off, region_bytes, sh.row, sh.q, &sh, nullptr);
+                    dtype_code, sig, region_off, region_bytes, sh.row, sh.q, &sh);
 }
 
 // kcap == 0 (no row has top-k): the same, with a few KB of shared memory per CTA.
@@ -589,41 +581,9 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                           i64 pad_bs, i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig,
                           u64 region_off, i64 region_bytes) {
   __shared__ DvRowQueueShared sh;
-  verify_push<false, false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
+  verify_push<false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                      want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
-                     dtype_code, sig, region_off, region_bytes, sh.row, sh.q, nullptr,
-                     nullptr);
-}
-
-// The same pushes, each row (column block) first staged in dynamic shared memory
-// (dv_stage_row: one read of global memory whatever the mode); the launch gives
-// verify_plan.stage_bytes(columns of a block, itemsize) bytes of it.
-extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
-    dp_verify_push_staged(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k, u64 top_p,
-                          u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
-                          u64 bs_ptr, i64 bs_host, i64 splits, DpDesc d, i64 pad_bs,
-                          i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
-                          i64 region_bytes) {
-  __shared__ DvRecordShared sh;
-  DV_STAGE_BUFFER(stage);
-  verify_push<true, true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset,
-                          kcap, want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols,
-                          vocab_limit, dtype_code, sig, region_off, region_bytes, sh.row, sh.q,
-                          &sh, stage);
-}
-
-extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
-    dp_verify_push_nolist_staged(u64 src_ptr, u64 cand_ptr, u64 temperature, u64 top_k,
-                                 u64 top_p, u64 min_p, u64 seed, u64 offset, i64 kcap,
-                                 i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host, i64 splits,
-                                 DpDesc d, i64 pad_bs, i64 ncols, i64 vocab_limit,
-                                 i64 dtype_code, u64 sig, u64 region_off, i64 region_bytes) {
-  __shared__ DvRowQueueShared sh;
-  DV_STAGE_BUFFER(stage);
-  verify_push<false, true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset,
-                           kcap, want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols,
-                           vocab_limit, dtype_code, sig, region_off, region_bytes, sh.row,
-                           sh.q, nullptr, stage);
+                     dtype_code, sig, region_off, region_bytes, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

@@ -27,11 +27,6 @@
 //     the same records when kcap == 0 (no row has top-k), with a few KB of shared
 //     memory per CTA instead of the top-k selection's ~38 KB (more CTAs per SM)
 //
-//   dp_verify_records_staged, dp_verify_records_nolist_staged(the same arguments)
-//     the same records, each row first copied into dynamic shared memory (one read of
-//     global memory whatever the mode); the launch gives stage_bytes(ncols, itemsize)
-//     bytes of it (ipc_dpsample.backends.verify_plan.stage_bytes)
-//
 //   dp_verify_combine(u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
 //                     u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
 //                     u64 bs_ptr, i64 bs_host, u64 recs, i64 tp, i64 reqs, i64 n,
@@ -53,14 +48,13 @@ __device__ __forceinline__ i64 dv_bs(u64 bs_ptr, i64 bs_host) {
   return bs_ptr != 0 ? static_cast<i64>(*reinterpret_cast<const int*>(bs_ptr)) : bs_host;
 }
 
-template <typename Tag, bool kList, bool kStaged>
+template <typename Tag, bool kList>
 __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const DvParamPtrs& q,
                                                 unsigned kcap, bool want_lp, unsigned digest,
                                                 i64 real_rows, i64 ncols, i64 col0,
                                                 i64 vocab_limit, i64 n, u64 out_words,
                                                 unsigned* err_value, DvRowShared& rs,
-                                                DvQueue& qu, DvRecordShared* ls,
-                                                ArgmaxVec16* stage) {
+                                                DvQueue& qu, DvRecordShared* ls) {
   typedef typename Tag::Storage S;
   i64 limit = vocab_limit - col0;
   limit = limit < 0 ? 0 : (limit > ncols ? ncols : limit);
@@ -73,28 +67,21 @@ __device__ __forceinline__ void dv_records_rows(u64 src, const int* cand, const 
                                       static_cast<unsigned>(vocab_limit), &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) atomicCAS(err_value, 0u, (bad << 24) | static_cast<unsigned>(req));
     unsigned* rec = reinterpret_cast<unsigned*>(out_words) + g * rec_words;
-    const S* row = reinterpret_cast<const S*>(src) + g * ncols;
-    const unsigned nc = static_cast<unsigned>(limit), c0 = static_cast<unsigned>(col0);
-    const unsigned cg = static_cast<unsigned>(cand[g]);
-    if constexpr (kStaged) {
-      const S* staged = dv_stage_row<Tag>(row, nc, stage);
-      dv_row_record<DvStaged<Tag>, kList>(staged, nc, c0, p, d, kcap, want_lp, cg, dg, rec, rs,
-                                          qu, ls);
-    } else {
-      dv_row_record<Tag, kList>(row, nc, c0, p, d, kcap, want_lp, cg, dg, rec, rs, qu, ls);
-    }
+    dv_row_record<Tag, kList>(reinterpret_cast<const S*>(src) + g * ncols,
+                              static_cast<unsigned>(limit), static_cast<unsigned>(col0), p, d,
+                              kcap, want_lp, static_cast<unsigned>(cand[g]), dg, rec, rs, qu,
+                              ls);
   }
 }
 
-template <bool kList, bool kStaged>
+template <bool kList>
 __device__ __forceinline__ void dv_records(u64 src, u64 cand, u64 temperature, u64 top_k,
                                            u64 top_p, u64 min_p, u64 seed, u64 offset,
                                            i64 kcap, i64 want_lp, i64 digest, u64 bs_ptr,
                                            i64 bs_host, i64 rows, i64 ncols, i64 col0,
                                            i64 vocab_limit, i64 dtype_code, i64 n,
                                            u64 out_words, u64 err_value, DvRowShared& rs,
-                                           DvQueue& qu, DvRecordShared* ls,
-                                           ArgmaxVec16* stage) {
+                                           DvQueue& qu, DvRecordShared* ls) {
   i64 bs = dv_bs(bs_ptr, bs_host);
   if (bs < 0) bs = 0;
   const i64 real_rows = bs * n < rows ? bs * n : rows;
@@ -103,14 +90,14 @@ __device__ __forceinline__ void dv_records(u64 src, u64 cand, u64 temperature, u
   const unsigned kc = static_cast<unsigned>(kcap), dg = static_cast<unsigned>(digest);
   unsigned* ev = reinterpret_cast<unsigned*>(err_value);
   if (dtype_code == ArgmaxBf16::kCode)
-    dv_records_rows<ArgmaxBf16, kList, kStaged>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                       vocab_limit, n, out_words, ev, rs, qu, ls, stage);
+    dv_records_rows<ArgmaxBf16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                       vocab_limit, n, out_words, ev, rs, qu, ls);
   else if (dtype_code == ArgmaxF16::kCode)
-    dv_records_rows<ArgmaxF16, kList, kStaged>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                      vocab_limit, n, out_words, ev, rs, qu, ls, stage);
+    dv_records_rows<ArgmaxF16, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                      vocab_limit, n, out_words, ev, rs, qu, ls);
   else if (dtype_code == ArgmaxF32::kCode)
-    dv_records_rows<ArgmaxF32, kList, kStaged>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
-                                      vocab_limit, n, out_words, ev, rs, qu, ls, stage);
+    dv_records_rows<ArgmaxF32, kList>(src, c, q, kc, want_lp != 0, dg, real_rows, ncols, col0,
+                                      vocab_limit, n, out_words, ev, rs, qu, ls);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
@@ -119,9 +106,9 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
                       i64 bs_host, i64 rows, i64 ncols, i64 col0, i64 vocab_limit,
                       i64 dtype_code, i64 n, u64 out_words, u64 err_value) {
   __shared__ DvRecordShared sh;
-  dv_records<true, false>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
+  dv_records<true>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
                    digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
-                   out_words, err_value, sh.row, sh.q, &sh, nullptr);
+                   out_words, err_value, sh.row, sh.q, &sh);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
@@ -131,37 +118,9 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                              i64 col0, i64 vocab_limit, i64 dtype_code, i64 n, u64 out_words,
                              u64 err_value) {
   __shared__ DvRowQueueShared sh;
-  dv_records<false, false>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
+  dv_records<false>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap, want_lp,
                     digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit, dtype_code, n,
-                    out_words, err_value, sh.row, sh.q, nullptr, nullptr);
-}
-
-// The same records, each row first staged in dynamic shared memory (dv_stage_row):
-// the launch gives verify_plan.stage_bytes(columns, itemsize) bytes of it.
-extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
-    dp_verify_records_staged(u64 src, u64 cand, u64 temperature, u64 top_k, u64 top_p,
-                             u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,
-                             i64 digest, u64 bs_ptr, i64 bs_host, i64 rows, i64 ncols,
-                             i64 col0, i64 vocab_limit, i64 dtype_code, i64 n, u64 out_words,
-                             u64 err_value) {
-  __shared__ DvRecordShared sh;
-  DV_STAGE_BUFFER(stage);
-  dv_records<true, true>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap,
-                         want_lp, digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit,
-                         dtype_code, n, out_words, err_value, sh.row, sh.q, &sh, stage);
-}
-
-extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_STAGED_MIN_CTAS)
-    dp_verify_records_nolist_staged(u64 src, u64 cand, u64 temperature, u64 top_k,
-                                    u64 top_p, u64 min_p, u64 seed, u64 offset, i64 kcap,
-                                    i64 want_lp, i64 digest, u64 bs_ptr, i64 bs_host,
-                                    i64 rows, i64 ncols, i64 col0, i64 vocab_limit,
-                                    i64 dtype_code, i64 n, u64 out_words, u64 err_value) {
-  __shared__ DvRowQueueShared sh;
-  DV_STAGE_BUFFER(stage);
-  dv_records<false, true>(src, cand, temperature, top_k, top_p, min_p, seed, offset, kcap,
-                          want_lp, digest, bs_ptr, bs_host, rows, ncols, col0, vocab_limit,
-                          dtype_code, n, out_words, err_value, sh.row, sh.q, nullptr, stage);
+                    out_words, err_value, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)

@@ -59,11 +59,6 @@
 #ifndef DV_NOLIST_MIN_CTAS
 #define DV_NOLIST_MIN_CTAS 3
 #endif
-// ... and the staged ones (a row in dynamic shared memory; their CTAs per SM are mostly
-// limited by it: 2 for float32 shards of 19 008 columns).
-#ifndef DV_STAGED_MIN_CTAS
-#define DV_STAGED_MIN_CTAS 3
-#endif
 #define DV_TOPK_MAX 128
 #define DV_HDR 12
 #define DV_REC_MAX (DV_HDR + 2 * DV_TOPK_MAX)
@@ -488,129 +483,9 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
   return before + x;
 }
 
-// -- rows staged in shared memory --------------------------------------------------
-// The staged record kernels (*_staged) first copy a row's columns into dynamic shared
-// memory, every 16-byte vector at once (cp.async: the bytes are in flight without
-// holding registers, so one CTA keeps a whole row's reads outstanding), then run every
-// pass below on that copy: the row is read from global memory once, whatever the mode.
-// A tag's loads: Tag reads global memory (the read-once, non-coherent path) ...
-template <typename Tag>
-struct DvLoad {
-  __device__ __forceinline__ static ArgmaxVec16 v16(const ArgmaxVec16* p) {
-    return argmax_load16(p);
-  }
-  __device__ __forceinline__ static float one(const typename Tag::Storage* p) {
-    return argmax_load1<Tag>(p);
-  }
-};
-
-// ... DvStaged<Tag> the same elements from a staged copy in shared memory.
-template <typename Base>
-struct DvStaged {
-  typedef typename Base::Storage Storage;
-  static constexpr int kCode = Base::kCode;
-  __device__ __forceinline__ static float to_float(Storage s) { return Base::to_float(s); }
-};
-template <typename Base>
-struct ArgmaxUnpack<DvStaged<Base>> : ArgmaxUnpack<Base> {};
-
-#ifdef DP_ARGMAX_CPU_EMULATION
-__device__ __forceinline__ unsigned dv_smem_addr(const void*) { return 0u; }
-#else
-__device__ __forceinline__ unsigned dv_smem_addr(const void* p) {
-  dv_u64 a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return (unsigned)a;
-}
-#endif
-
-template <typename Base>
-struct DvLoad<DvStaged<Base>> {
-  __device__ __forceinline__ static ArgmaxVec16 v16(const ArgmaxVec16* p) {
-#ifdef DP_ARGMAX_CPU_EMULATION
-    return *p;
-#else
-    ArgmaxVec16 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
-                 : "r"(dv_smem_addr(p)));
-    return v;
-#endif
-  }
-  __device__ __forceinline__ static float one(const typename Base::Storage* p) {
-    return Base::to_float(*p);
-  }
-};
-
-// The staged kernels' dynamic shared memory (the emulation: a static array).
-#ifdef DP_ARGMAX_CPU_EMULATION
-#ifndef DV_STAGE_EMU_VECS
-#define DV_STAGE_EMU_VECS 65536
-#endif
-#define DV_STAGE_BUFFER(name) static ArgmaxVec16 name[DV_STAGE_EMU_VECS]
-#else
-#define DV_STAGE_BUFFER(name) extern __shared__ ArgmaxVec16 name[]
-#endif
-
-// 16-byte vectors of shared memory a staged row of `ncols` elements of `item` bytes
-// needs (dv_stage_row; the host sizes the dynamic shared memory with the same formula,
-// verify_plan.stage_bytes): the columns up to the first 16-byte boundary of the source
-// sit at the same offset in their own vector.
-__device__ __forceinline__ unsigned dv_stage_vecs(unsigned ncols, unsigned item) {
-  return (ncols * item + 15u) / 16u + 1u;
-}
-
-// Copy `ncols` columns of `row` (global memory) into `buf` (shared memory, 16-byte
-// aligned, dv_stage_vecs(ncols) vectors) and return the copy's first column: it has the
-// source's offset within 16 bytes, so the passes split the copy exactly as the source
-// (scalar head, vectors, scalar tail). Every thread of the block calls it; the copy is
-// complete and visible to every thread when it returns. Reads only the row's own bytes.
-template <typename Tag>
-__device__ const typename Tag::Storage* dv_stage_row(const typename Tag::Storage* row,
-                                                      unsigned ncols, ArgmaxVec16* buf) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  S* dst = reinterpret_cast<S*>(buf) + mis;  // column c at dst[c]
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  ArgmaxVec16* dv = buf + (mis ? 1u : 0u);  // vector v of the source's middle
-#ifdef DV_STAGE_CHECK
-  DV_STAGE_CHECK(dv_stage_vecs(ncols, sizeof(S)));  // the emulation: the buffer holds it
-#endif
-  for (unsigned v = t; v < nvec; v += B) {
-#if defined(DP_ARGMAX_CPU_EMULATION)
-    DP_ARGMAX_COUNT_LOAD(vp + v, 16);
-    dv[v] = vp[v];
-#elif __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv_smem_addr(dv + v)),
-                 "l"(vp + v)
-                 : "memory");
-#else
-    dv[v] = argmax_load16(vp + v);
-#endif
-  }
-  for (unsigned c = t; c < head; c += B) {
-    DP_ARGMAX_COUNT_LOAD(row + c, sizeof(S));
-    dst[c] = row[c];
-  }
-  for (unsigned c = head + nvec * E + t; c < ncols; c += B) {
-    DP_ARGMAX_COUNT_LOAD(row + c, sizeof(S));
-    dst[c] = row[c];
-  }
-#if !defined(DP_ARGMAX_CPU_EMULATION) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
-#endif
-  __syncthreads();
-  return dst;
-}
-
 // -- the record of one row of one shard -------------------------------------------
 #ifndef DV_CAND_CAP
-#define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
+#define DV_CAND_CAP 4096  // candidates of the top-k selection held in shared memory
 #endif
 
 // What every row needs: the reductions and the temperature path's bound.
@@ -663,7 +538,7 @@ struct DvRowSource {
   static constexpr bool kColumnOrder = true;
   __device__ __forceinline__ unsigned size() const { return n; }
   __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
-    const float x = DvLoad<Tag>::one(row + i);
+    const float x = argmax_load1<Tag>(row + i);
     key = dv_order_key(x);
     id = col0 + i;
     val = x == 0.0f ? 0.0f : x;
@@ -839,14 +714,14 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
-  for (unsigned c = t; c < head; c += B) f(DvLoad<Tag>::one(row + c), c);
+  for (unsigned c = t; c < head; c += B) f(argmax_load1<Tag>(row + c), c);
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   for (unsigned v = t; v < nvec; v += 2 * B) {
     const bool second = v + B < nvec;
-    const ArgmaxVec16 a = DvLoad<Tag>::v16(vp + v);
+    const ArgmaxVec16 a = argmax_load16(vp + v);
     ArgmaxVec16 b = a;
-    if (second) b = DvLoad<Tag>::v16(vp + v + B);
+    if (second) b = argmax_load16(vp + v + B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(a, xs);
 #pragma unroll
@@ -858,7 +733,7 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
     }
   }
   const unsigned tail = head + nvec * E;
-  for (unsigned c = tail + t; c < ncols; c += B) f(DvLoad<Tag>::one(row + c), c);
+  for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
 #ifndef DV_MAX_UNROLL
@@ -885,7 +760,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
   for (unsigned c = t; c < head; c += B) {
-    const float x = DvLoad<Tag>::one(row + c);
+    const float x = argmax_load1<Tag>(row + c);
     nan |= x != x;
     if (x > m) {
       m = x;
@@ -898,7 +773,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
     ArgmaxVec16 raw[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
-      if (v + u * B < nvec) raw[u] = DvLoad<Tag>::v16(vp + v + u * B);
+      if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
       if (v + u * B < nvec) {
@@ -928,7 +803,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
     }
   }
   for (unsigned c = head + nvec * E + t; c < ncols; c += B) {
-    const float x = DvLoad<Tag>::one(row + c);
+    const float x = argmax_load1<Tag>(row + c);
     nan |= x != x;
     if (x > m) {
       m = x;
@@ -997,7 +872,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   if (head > ncols) head = ncols;
   for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
-    visit(c < head ? DvLoad<Tag>::one(row + c) : 0.0f, c, c < head);
+    visit(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
@@ -1008,7 +883,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
 #pragma unroll
     for (unsigned h = 0; h < G; ++h) {
       raw[h].w[0] = raw[h].w[1] = raw[h].w[2] = raw[h].w[3] = 0u;
-      if (v + h * B < nvec) raw[h] = DvLoad<Tag>::v16(vp + v + h * B);
+      if (v + h * B < nvec) raw[h] = argmax_load16(vp + v + h * B);
     }
 #pragma unroll
     for (unsigned h = 0; h < G; ++h) {
@@ -1027,7 +902,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   const unsigned tail = head + nvec * E;
   for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
-    visit(c < ncols ? DvLoad<Tag>::one(row + c) : 0.0f, c, c < ncols);
+    visit(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
   __syncthreads();
   const bool ok = sh.k.n_cand <= DV_CAND_CAP;
@@ -1210,19 +1085,19 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   if (head > ncols) head = ncols;
   for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns: no drain needed
     const unsigned c = c0 + t;
-    push(c < head ? DvLoad<Tag>::one(row + c) : 0.0f, c, c < head);
+    push(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
   }
   drain();
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   ArgmaxVec16 cur;
   cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-  if (t < nvec) cur = DvLoad<Tag>::v16(vp + t);
+  if (t < nvec) cur = argmax_load16(vp + t);
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = DvLoad<Tag>::v16(vp + v + B);
+    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll
@@ -1233,7 +1108,7 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   const unsigned tail = head + nvec * E;
   for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
-    push(c < ncols ? DvLoad<Tag>::one(row + c) : 0.0f, c, c < ncols);
+    push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
   drain();
   // the leftovers (fewer than two warps' worth): pad the queue with the first best's

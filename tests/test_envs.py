@@ -73,7 +73,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDP_SWAP_CTA_RELEASE_GPU=0",
         "-DDV_LIST_MIN_CTAS=4",
         "-DDV_NOLIST_MIN_CTAS=4",
-        "-DDV_STAGED_MIN_CTAS=4",
         "-DDV_MAX_UNROLL=1",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
@@ -85,13 +84,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     assert envs.onesided_tuning().verify_block == 0  # verify_plan.verify_block decides
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BLOCK")
     assert envs.onesided_tuning().verify_block == 0
-    assert envs.onesided_tuning().verify_stage == "auto"
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_STAGE", " OFF ")
-    assert envs.onesided_tuning().verify_stage == "off"
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_STAGE", "1")
-    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_STAGE='1'.*'auto', 'on' or 'off'"):
-        envs.onesided_tuning()
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_STAGE")
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):

@@ -37,8 +37,6 @@ from ipc_dpsample.backends.verify_plan import (
     param_bytes,
     param_offsets,
     record_words,
-    stage_bytes,
-    use_staged,
     verify_block,
     verify_splits,
 )
@@ -50,37 +48,9 @@ POISON = 0x5A5A5A5A
 
 _EMULATION = (
     HEADER
-    + r"""
-// the staged kernels' shared-memory need: the most 16-byte vectors a row asked for
-static unsigned long long g_stage_need = 0;
-#define DV_STAGE_CHECK(v)                                                           \
-  do {                                                                              \
-    if (threadIdx.x == 0 && (unsigned long long)(v) > g_stage_need) g_stage_need = (v); \
-  } while (0)
-"""
     + '#include "verify.cu"\n'
     + LAUNCH
     + r"""
-extern "C" void emu_records_staged(unsigned grid, unsigned block, const u64* v) {
-  launch(grid, block, [=]() {
-    dp_verify_records_staged(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8],
-                             (i64)v[9], (i64)v[10], v[11], (i64)v[12], (i64)v[13], (i64)v[14],
-                             (i64)v[15], (i64)v[16], (i64)v[17], (i64)v[18], v[19], v[20]);
-  });
-}
-extern "C" void emu_records_nolist_staged(unsigned grid, unsigned block, const u64* v) {
-  launch(grid, block, [=]() {
-    dp_verify_records_nolist_staged(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8],
-                                    (i64)v[9], (i64)v[10], v[11], (i64)v[12], (i64)v[13],
-                                    (i64)v[14], (i64)v[15], (i64)v[16], (i64)v[17], (i64)v[18],
-                                    v[19], v[20]);
-  });
-}
-extern "C" unsigned long long emu_stage_need() {  // read and reset
-  const unsigned long long v = g_stage_need;
-  g_stage_need = 0;
-  return v;
-}
 extern "C" void emu_records(unsigned grid, unsigned block, const u64* v) {
   launch(grid, block, [=]() {
     dp_verify_records(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], (i64)v[8], (i64)v[9],
@@ -121,38 +91,26 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 )
 
 
-#: The builds the tests run, as (top-k candidate capacity in shared memory, staged): the
-#: default capacity; one so small that every row takes the path that reads the row once
-#: per radix digit; and one between, that the tests' wide shards overflow only when the
-#: threshold is loose (partial warps, small blocks), which only the top-k tests below ask
-#: for (:data:`WITH_EVERY_CAP`: every test twice more would slow CI). The two small ones
-#: also build the first pass with one and with four vectors per round (``DV_MAX_UNROLL``;
-#: the default is two). The ``staged`` builds run the records kernels that first copy each
-#: row into shared memory (``dp_verify_records*_staged``).
-CAND_CAPS: dict[str, tuple[int | None, bool]] = {
-    "candidates": (None, False),
-    "small": (320, False),
-    "row-passes": (16, False),
-    "staged": (None, True),
-    "staged-row-passes": (16, True),
-}
+#: The top-k selection's shared-memory candidate capacity: the default; one so small that
+#: every row takes the path that reads the row once per radix digit; and one between, that
+#: the tests' wide shards overflow only when the threshold is loose (partial warps, small
+#: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
+#: twice more would slow CI). The two small ones also build the first pass with one and
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
+CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 
 
-@pytest.fixture(scope="module", params=["candidates", "row-passes", "staged"])
+@pytest.fixture(scope="module", params=["candidates", "row-passes"])
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cap, staged = CAND_CAPS[request.param]
+    cap = CAND_CAPS[request.param]
     unroll = 4 if cap is not None and cap < 64 else 1
     flags = () if cap is None else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
-    lib.staged = staged
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
     lib.emu_records.argtypes = [c, c, u]
     lib.emu_records_nolist.argtypes = [c, c, u]
-    lib.emu_records_staged.argtypes = [c, c, u]
-    lib.emu_records_nolist_staged.argtypes = [c, c, u]
-    lib.emu_stage_need.restype = u
     lib.emu_combine.argtypes = [c, c, u]
     lib.emu_noise.argtypes = [u, u, i, u]
     lib.emu_stream_key.argtypes = [i, i, c, u]
@@ -255,15 +213,8 @@ def run_kernels(
             args += [bs_ptr, bs_host, rows, block_cols.shape[1], s * vs + b * cs, limit, code, n]
             args += [_addr(out), _addr(ev)]
             # the kernel the backends launch: without top-k lists, less shared memory
-            if lib.staged:
-                records_kernel = lib.emu_records_staged if cap else lib.emu_records_nolist_staged
-            else:
-                records_kernel = lib.emu_records if cap else lib.emu_records_nolist
+            records_kernel = lib.emu_records if cap else lib.emu_records_nolist
             records_kernel(grid, block, _addr(_words(args)))
-            if lib.staged:  # the host's shared-memory size holds every row the kernel staged
-                need = 16 * int(lib.emu_stage_need())
-                room = stage_bytes(block_cols.shape[1], block_cols.itemsize)
-                assert need <= room, f"a staged row needs {need} bytes, the host gives {room}"
             records.append(out)
         values.append(int(ev[0]))
     r = pad_bs // tp
@@ -657,16 +608,6 @@ def test_verify_block_widens_the_ctas_of_small_batches_only() -> None:
     assert verify_block(rows=397, gpu_sharing=1, resident_ctas=396) == VERIFY_BLOCK_MANY_ROWS
     assert verify_block(rows=1, gpu_sharing=0, resident_ctas=0) == VERIFY_BLOCK_FEW_ROWS
     assert (VERIFY_BLOCK_FEW_ROWS, VERIFY_BLOCK_MANY_ROWS) == (256, 128)
-
-
-def test_staging_needs_two_resident_ctas_unless_forced() -> None:
-    # the real shape (V = 152064 at tp = 8): 76 032 float32 bytes, 38 016 16-bit ones,
-    # plus one vector for a row that starts off a 16-byte boundary
-    assert stage_bytes(19008, 4) == 76032 + 16 and stage_bytes(19008, 2) == 38016 + 16
-    assert stage_bytes(13, 2) == 48 and stage_bytes(0, 4) == 16
-    assert [use_staged("auto", r) for r in (0, 1, 2, 5)] == [False, False, True, True]
-    assert [use_staged("on", r) for r in (0, 1, 2)] == [False, True, True]
-    assert [use_staged("off", r) for r in (0, 1, 2)] == [False, False, False]
 
 
 def test_verify_splits_stay_within_what_the_owners_hold() -> None:

@@ -48,8 +48,6 @@ class PreparedLaunch:
         ``bytes`` argument is a struct passed by value (its bytes as the kernel's
         parameter layout expects them, e.g. ``bytes(ctypes_structure)``).
     n_var : int
-    shared : int
-        Bytes of dynamic shared memory per CTA (the kernel's attribute must allow them).
     """
 
     __slots__ = (
@@ -59,7 +57,6 @@ class PreparedLaunch:
         "_grid",
         "_params",
         "_ptrs",
-        "_shared",
         "_structs",
         "_vals",
         "n_var",
@@ -73,7 +70,6 @@ class PreparedLaunch:
         block: int,
         args: tuple[int | bytes, ...],
         n_var: int,
-        shared: int = 0,
     ):
         import cupy
 
@@ -99,7 +95,6 @@ class PreparedLaunch:
         self._ptrs = (ctypes.c_void_p * n)(*addrs)
         self._params = ctypes.addressof(self._ptrs)
         self._grid, self._block, self.n_var, self._device = grid, block, n_var, device
-        self._shared = int(shared)
 
     @property
     def grid(self) -> int:
@@ -115,9 +110,7 @@ class PreparedLaunch:
             vals[i] = v & _U64
         grid = grid or self._grid
         try:
-            _launch_kernel(
-                self._func, grid, 1, 1, self._block, 1, 1, self._shared, stream, self._params, 0
-            )
+            _launch_kernel(self._func, grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0)
         except Exception as exc:
             import cupy
             from cupy.cuda import driver
@@ -128,17 +121,7 @@ class PreparedLaunch:
             # make this device's primary context current and try once more
             with cupy.cuda.Device(self._device):
                 driver.launchKernel(
-                    self._func,
-                    grid,
-                    1,
-                    1,
-                    self._block,
-                    1,
-                    1,
-                    self._shared,
-                    stream,
-                    self._params,
-                    0,
+                    self._func, grid, 1, 1, self._block, 1, 1, 0, stream, self._params, 0
                 )
 
 

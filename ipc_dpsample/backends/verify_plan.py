@@ -24,7 +24,6 @@ __all__ = [
     "PARAM_FIELDS",
     "SPLIT_MIN_COLUMNS",
     "SPLIT_TARGET_UNITS",
-    "STAGED_MIN_RESIDENT",
     "VERIFY_BLOCK_FEW_ROWS",
     "VERIFY_BLOCK_MANY_ROWS",
     "call_digest",
@@ -35,8 +34,6 @@ __all__ = [
     "param_bytes",
     "param_offsets",
     "record_words",
-    "stage_bytes",
-    "use_staged",
     "verify_block",
     "verify_splits",
 ]
@@ -173,57 +170,6 @@ def verify_block(*, rows: int, gpu_sharing: int, resident_ctas: int) -> int:
     if rows * max(1, gpu_sharing) <= max(1, resident_ctas):
         return VERIFY_BLOCK_FEW_ROWS
     return VERIFY_BLOCK_MANY_ROWS
-
-
-def stage_bytes(ncols: int, itemsize: int) -> int:
-    """Bytes of dynamic shared memory a staged record kernel (``*_staged``) needs for
-    rows of ``ncols`` columns of ``itemsize`` bytes: ``kernels/verify.cuh``
-    ``dv_stage_vecs`` 16-byte vectors (the row's bytes, plus one vector for a source
-    that does not start on a 16-byte boundary).
-
-    Parameters
-    ----------
-    ncols : int
-        Columns of the widest row (or column block) the kernel stages.
-    itemsize : int
-        2 (bfloat16, float16) or 4 (float32).
-
-    Returns
-    -------
-    int
-        A multiple of 16.
-    """
-    return 16 * ((ncols * itemsize + 15) // 16 + 1)
-
-
-#: Staged CTAs of :data:`VERIFY_BLOCK_FEW_ROWS` threads an SM must hold at once for
-#: ``auto`` to stage rows (:func:`use_staged`): with fewer, one CTA's copy and another's
-#: passes cannot overlap.
-STAGED_MIN_RESIDENT = 2
-
-
-def use_staged(mode: str, resident_per_sm: int) -> bool:
-    """Whether the record kernel stages each row in shared memory
-    (``IPC_DPSAMPLE_VERIFY_STAGE``).
-
-    Parameters
-    ----------
-    mode : str
-        ``"auto"``, ``"on"`` or ``"off"``.
-    resident_per_sm : int
-        Staged CTAs (:data:`VERIFY_BLOCK_FEW_ROWS` threads, :func:`stage_bytes` of
-        dynamic shared memory) one SM holds at once; 0 when the row does not fit at all
-        (or the GPU cannot copy asynchronously: compute capability below 8.0).
-
-    Returns
-    -------
-    bool
-        ``"on"``: whenever a row fits; ``"auto"``: when at least
-        :data:`STAGED_MIN_RESIDENT` CTAs fit; ``"off"``: never.
-    """
-    if mode == "off" or resident_per_sm < 1:
-        return False
-    return mode == "on" or resident_per_sm >= STAGED_MIN_RESIDENT
 
 
 def verify_splits(

@@ -56,8 +56,6 @@ from ..verify_plan import (
     pack_params,
     param_bytes,
     param_offsets,
-    stage_bytes,
-    use_staged,
     verify_block,
     verify_splits,
 )
@@ -84,15 +82,8 @@ _KERNELS = (
     "dp_argmax",
     "dp_verify_push",
     "dp_verify_push_nolist",
-    "dp_verify_push_staged",
-    "dp_verify_push_nolist_staged",
     "dp_verify_finish",
 )
-#: The record kernels: (without staging, with staging) by whether the call has lists.
-_PUSH_KERNELS = {
-    True: ("dp_verify_push", "dp_verify_push_staged"),
-    False: ("dp_verify_push_nolist", "dp_verify_push_nolist_staged"),
-}
 VERIFY_BLOCK = 256  # DV_BLOCK in verify.cuh: the most threads of a verify CTA
 #: DP_ERR_VALUE reasons (verify.cuh DV_BAD_*): (argument, expected, int or float bits)
 VALUE_ERRORS = {
@@ -113,36 +104,18 @@ ARGMAX_BLOCK = 256  # DP_ARGMAX_BLOCK in onesided.cu
 ARGMAX_CTAS_PER_SM = 4
 
 
-def _resident_ctas(kernel: Any, block: int, shared: int = 0) -> int:
+def _resident_ctas(kernel: Any, block: int) -> int:
     """CTAs of ``block`` threads of ``kernel`` (a loaded ``cupy.RawKernel``) that fit on
-    one SM at once, by the driver's occupancy calculator (its registers, static shared
-    memory and ``shared`` bytes of dynamic shared memory); ``ARGMAX_CTAS_PER_SM`` when
-    the driver cannot say (without dynamic shared memory; 0 with it)."""
+    one SM at once, by the driver's occupancy calculator (its registers and static shared
+    memory); ``ARGMAX_CTAS_PER_SM`` when the driver cannot say."""
     import cupy
 
     try:
         func = getattr(kernel, "kernel", kernel)  # RawKernel -> its cuda.function.Function
-        n = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func.ptr, block, shared))
+        n = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func.ptr, block, 0))
     except Exception:  # an old driver or CuPy without the call: the fixed guess
-        return 0 if shared else ARGMAX_CTAS_PER_SM
-    return n if n > 0 or shared else ARGMAX_CTAS_PER_SM
-
-
-def _allow_dynamic_shared(kernel: Any, props: dict[str, Any]) -> int:
-    """Let ``kernel`` take all the dynamic shared memory a CTA may opt in to next to its
-    static shared memory; return those bytes (0 when the GPU cannot copy rows into shared
-    memory asynchronously, compute capability below 8.0, or the driver refuses)."""
-    if int(props.get("major", 0)) < 8:
-        return 0
-    try:
-        optin = int(props.get("sharedMemPerBlockOptin", 0))
-        room = optin - int(kernel.shared_size_bytes)
-        if room <= 0:
-            return 0
-        kernel.max_dynamic_shared_size_bytes = room
-    except Exception:
-        return 0
-    return room
+        return ARGMAX_CTAS_PER_SM
+    return n if n > 0 else ARGMAX_CTAS_PER_SM
 
 
 def swap_block(chunk_bytes: int, tp: int, tuning: OnesidedTuning) -> int:
@@ -231,13 +204,7 @@ class OnesidedBackend(Backend):
         # and never while a peer's kernel spins (loading may synchronise the context)
         for kernel in self._kernels.values():
             _ = kernel.max_threads_per_block
-        props = cupy.cuda.runtime.getDeviceProperties(device)
-        self._sm_count = int(props["multiProcessorCount"])
-        # the staged record kernels: the dynamic shared memory a row may take
-        self._stage_room = {
-            name: _allow_dynamic_shared(self._kernels[name], props)
-            for name in ("dp_verify_push_staged", "dp_verify_push_nolist_staged")
-        }
+        self._sm_count = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
         self._max_argmax_grid = self._sm_count * ARGMAX_CTAS_PER_SM
         # the most ranks of the group on one GPU (every rank sees the same records)
         uuids = Counter(r.gpu_uuid for r in conn.peer_recs if r.gpu_uuid)
@@ -262,8 +229,6 @@ class OnesidedBackend(Backend):
         self._verify_plans: dict[
             tuple[int, int, bool], tuple[PreparedLaunch, PreparedLaunch, int]
         ] = {}
-        #: the record kernel of each verify plan (tests, bench): its name and block
-        self.verify_kernels: dict[tuple[int, int, bool], tuple[str, int]] = {}
         self._verify_bufs: Any = None  # this rank's results and host parameters (below)
         #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
         self.last_verify_path = ""
@@ -292,7 +257,6 @@ class OnesidedBackend(Backend):
             self._swap_plans.clear()
             self._argmax_plans.clear()
             self._verify_plans.clear()
-            self.verify_kernels.clear()
             self._views.drop(lambda key: isinstance(key, tuple) and key[0] == "swap")
 
     def _begin(self, handle: int) -> bool:
@@ -548,34 +512,20 @@ class OnesidedBackend(Backend):
         vs = cfg.vocab_size // cfg.tp_size
         region = (lay.verify_off, lay.verify_region_bytes)
         rows = pad_bs * cfg.num_tokens_per_req
-        plain, staged_name = _PUSH_KERNELS[lists]
-        # staged: every row (or column block, at most the whole shard) copied into shared
-        # memory first, with 256-thread CTAs (the passes run from shared memory)
-        shared = stage_bytes(vs, Dtype.of(dtype).itemsize)
-        resident = 0
-        if shared <= self._stage_room[staged_name]:
-            resident = _resident_ctas(self._kernels[staged_name], VERIFY_BLOCK_FEW_ROWS, shared)
-        if use_staged(self.tuning.verify_stage, resident):
-            name, block = staged_name, VERIFY_BLOCK_FEW_ROWS
-            push_grid = self._sm_count * resident
-        else:
-            name, shared = plain, 0
-            block = self.tuning.verify_block or verify_block(
-                rows=rows,
-                gpu_sharing=self._gpu_sharing,
-                resident_ctas=self._resident_grid[(name, VERIFY_BLOCK_FEW_ROWS)],
-            )
-            push_grid = self._resident_grid[(name, block)]
-        push = PreparedLaunch(
-            self._kernels[name],
-            self.device,
+        name = "dp_verify_push" if lists else "dp_verify_push_nolist"
+        block = self.tuning.verify_block or verify_block(
+            rows=rows,
+            gpu_sharing=self._gpu_sharing,
+            resident_ctas=self._resident_grid[(name, VERIFY_BLOCK_FEW_ROWS)],
+        )
+        push_grid = self._resident_grid[(name, block)]
+        push = self._launch(
+            name,
             max(1, min(rows, push_grid)),  # the grid of each call: its blocks, at most this
             block,
             (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
             14,
-            shared,
         )
-        self.verify_kernels[(pad_bs, vocab_limit, lists)] = (name, block)
         finish = self._launch(
             "dp_verify_finish",
             max(1, pad_bs // cfg.tp_size),
