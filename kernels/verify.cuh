@@ -1250,9 +1250,11 @@ struct DvCombineShared {
   int tok[DV_MAX_N];
   float tok_val[DV_MAX_N];
   float lp[DV_MAX_N];
+  float row_max[DV_MAX_N];       // the row's maximum over the sources (dv_better order)
+  unsigned row_flags[DV_MAX_N];  // bit 0: a NaN; bit 1: the owners' top-k merge decides
+  unsigned row_bad[DV_MAX_N];    // the row's first source with other parameters (or none)
+  double lp_term[DV_WARPS][DV_MAX_TP];  // each warp's row: its sources' sum-exp terms
   dv_u64 stream_key;
-  int mode;  // -1: decided by thread 0 (greedy, degenerate, temperature)
-  unsigned bad_src;
 };
 
 
@@ -1260,41 +1262,40 @@ struct DvCombineShared {
 // its records at recs + (s * rows_per_src + i*N + d) * rec_words) and write the
 // request's predict[N], accept_index[N] (numbered aidx_base + d), accept_length and,
 // with want_lp, logprobs[N]. Returns the first source whose digest or candidate
-// differs from this rank's (DV_NO_ID: none). Every thread calls it.
+// differs from this rank's (DV_NO_ID: none), in the first row that has one. Every
+// thread calls it. Rows are decided a warp each, the warps' rows at once (the sources
+// over the lanes); a row that the top-k merge decides then takes the whole block.
 __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsigned rows_per_src,
                                        unsigned rec_words, unsigned kcap, unsigned i, unsigned n,
                                        const DvParams& p, const int* cand, unsigned digest,
                                        bool want_lp, int aidx_base, int* predict,
                                        int* accept_index, int* accept_length, float* logprobs,
                                        DvCombineShared& sh) {
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  if (t == 0) sh.bad_src = DV_NO_ID;
-  __syncthreads();
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
+  const unsigned W = dv_nwarps(), ww = dv_warp_width();
+  const int mode = dv_mode(p);
   // rows whose headers fit in shared memory at once
   const unsigned per_row = tp * DV_HDR, fit = DV_HDR_WORDS / per_row;
-  for (unsigned d = 0; d < n; ++d) {
-    const unsigned row = i * n + d;
-    if (d % fit == 0) {
-      // the record headers of every source of the next `fit` rows into shared memory at
-      // once (one round of loads), then thread 0 decides from there
-      const unsigned rows_now = n - d < fit ? n - d : fit;
-      for (unsigned e = t; e < rows_now * per_row; e += B) {
-        const unsigned rr = e / per_row, s = (e - rr * per_row) / DV_HDR;
-        const unsigned w = e - rr * per_row - s * DV_HDR;
-        sh.hdr[e] = recs[((dv_u64)s * rows_per_src + row + rr) * rec_words + w];
-      }
-      __syncthreads();
+  for (unsigned d0 = 0; d0 < n; d0 += fit) {
+    const unsigned rows_now = n - d0 < fit ? n - d0 : fit;
+    // the record headers of every source of these rows into shared memory at once (one
+    // round of loads)
+    for (unsigned e = t; e < rows_now * per_row; e += B) {
+      const unsigned rr = e / per_row, s = (e - rr * per_row) / DV_HDR;
+      const unsigned w = e - rr * per_row - s * DV_HDR;
+      sh.hdr[e] = recs[((dv_u64)s * rows_per_src + i * n + d0 + rr) * rec_words + w];
     }
-    const unsigned* hdr = sh.hdr + (d % fit) * per_row;  // this row's headers
-    if (t == 0) {
+    __syncthreads();
+    // each warp decides its rows: lane l reads sources l, l + 32, ...
+    for (unsigned rr = t >> 5; rr < rows_now; rr += W) {
+      const unsigned d = d0 + rr;
+      const unsigned* hdr = sh.hdr + rr * per_row;
+      unsigned bad = DV_NO_ID, nan_id = DV_NO_ID, max_id = DV_NO_ID, bid = DV_NO_ID;
       bool has_nan = false;
-      unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
-      float mx = dv_neg_inf();
-      for (unsigned s = 0; s < tp; ++s) {
+      float mx = dv_neg_inf(), bs = dv_neg_inf(), bval = dv_neg_inf();
+      for (unsigned s = lane; s < tp; s += ww) {
         const unsigned* r = hdr + s * DV_HDR;
-        if (r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) {
-          if (sh.bad_src == DV_NO_ID) sh.bad_src = s;
-        }
+        if ((r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) && s < bad) bad = s;
         if (r[DV_W_FLAGS] & 1u) {
           has_nan = true;
           if (r[DV_W_NAN_ID] < nan_id) nan_id = r[DV_W_NAN_ID];
@@ -1304,48 +1305,76 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           mx = v;
           max_id = r[DV_W_MAX_ID];
         }
-      }
-      const int mode = dv_mode(p);
-      int tok = has_nan ? (int)nan_id : (int)max_id;
-      float tok_val = has_nan ? dv_nan() : mx;
-      bool decided = true;
-      if (sh.bad_src == DV_NO_ID && !has_nan && mode != DV_GREEDY &&
-          argmax_isfinite(dv_fdiv(mx, p.temperature))) {
-        if (mode == DV_TEMP) {
-          float bs = dv_neg_inf();
-          unsigned bid = DV_NO_ID;
-          for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = hdr + s * DV_HDR;
-            const float sc = argmax_u2f(r[DV_W_BEST_SCORE]);
-            if (dv_better(sc, r[DV_W_BEST_ID], bs, bid)) {
-              bs = sc;
-              bid = r[DV_W_BEST_ID];
-              tok_val = argmax_u2f(r[DV_W_BEST_VAL]);
-            }
-          }
-          tok = (int)bid;
-        } else if (mode == DV_TOPK) {
-          decided = false;
-          sh.stream_key = dv_stream_key(p, d);
-          unsigned at = 0;
-          for (unsigned s = 0; s < tp; ++s) {
-            const unsigned* r = hdr + s * DV_HDR;
-            unsigned len = r[DV_W_LIST_LEN];
-            if (len > kcap) len = kcap;
-            sh.len[s] = len;
-            sh.off[s] = at;
-            at += len;
-          }
-          sh.off[tp] = at;
-          sh.mass_total = 0;
+        const float sc = argmax_u2f(r[DV_W_BEST_SCORE]);
+        if (dv_better(sc, r[DV_W_BEST_ID], bs, bid)) {
+          bs = sc;
+          bid = r[DV_W_BEST_ID];
+          bval = argmax_u2f(r[DV_W_BEST_VAL]);
         }
       }
-      sh.mode = decided ? -1 : DV_TOPK;
-      sh.tok[d] = tok;
-      sh.tok_val[d] = tok_val;
+      // the warp's reductions (each a total order: the result is the serial loop's)
+      for (unsigned o = ww / 2; o > 0; o >>= 1) {
+        const unsigned ob = __shfl_xor_sync(DV_FULL, bad, (int)o);
+        const unsigned on = __shfl_xor_sync(DV_FULL, nan_id, (int)o);
+        const bool oh = __shfl_xor_sync(DV_FULL, has_nan ? 1u : 0u, (int)o) != 0u;
+        const float omx = __shfl_xor_sync(DV_FULL, mx, (int)o);
+        const unsigned omi = __shfl_xor_sync(DV_FULL, max_id, (int)o);
+        const float obs = __shfl_xor_sync(DV_FULL, bs, (int)o);
+        const unsigned obi = __shfl_xor_sync(DV_FULL, bid, (int)o);
+        const float obv = __shfl_xor_sync(DV_FULL, bval, (int)o);
+        bad = ob < bad ? ob : bad;
+        nan_id = on < nan_id ? on : nan_id;
+        has_nan = has_nan || oh;
+        if (dv_better(omx, omi, mx, max_id)) {
+          mx = omx;
+          max_id = omi;
+        }
+        if (dv_better(obs, obi, bs, bid)) {
+          bs = obs;
+          bid = obi;
+          bval = obv;
+        }
+      }
+      if (lane == 0) {
+        int tok = has_nan ? (int)nan_id : (int)max_id;
+        float tok_val = has_nan ? dv_nan() : mx;
+        unsigned flags = has_nan ? 1u : 0u;
+        if (bad == DV_NO_ID && !has_nan && mode != DV_GREEDY &&
+            argmax_isfinite(dv_fdiv(mx, p.temperature))) {
+          if (mode == DV_TEMP) {
+            tok = (int)bid;
+            if (bid != DV_NO_ID) tok_val = bval;
+          } else if (mode == DV_TOPK) {
+            flags |= 2u;
+          }
+        }
+        sh.tok[d] = tok;
+        sh.tok_val[d] = tok_val;
+        sh.row_max[d] = mx;
+        sh.row_flags[d] = flags;
+        sh.row_bad[d] = bad;
+      }
     }
     __syncthreads();
-    if (sh.mode == DV_TOPK) {
+    // the rows the top-k merge decides, one at a time with the whole block
+    for (unsigned rr = 0; rr < rows_now; ++rr) {
+      const unsigned d = d0 + rr, row = i * n + d;
+      if (!(sh.row_flags[d] & 2u)) continue;  // (uniform over the block)
+      const unsigned* hdr = sh.hdr + rr * per_row;
+      if (t == 0) {
+        sh.stream_key = dv_stream_key(p, d);
+        unsigned at = 0;
+        for (unsigned s = 0; s < tp; ++s) {
+          unsigned len = hdr[s * DV_HDR + DV_W_LIST_LEN];
+          if (len > kcap) len = kcap;
+          sh.len[s] = len;
+          sh.off[s] = at;
+          at += len;
+        }
+        sh.off[tp] = at;
+        sh.mass_total = 0;
+      }
+      __syncthreads();
       // every source's list into shared memory, then each entry's rank in the merge
       const unsigned total = sh.off[tp];
       for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
@@ -1449,33 +1478,37 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       }
       __syncthreads();
     }
-    if (t == 0 && want_lp) {
-      // recompute the logprob now that the token's raw logit is known
-      float lp = dv_nan();
-      bool has_nan = false;
-      float mx = dv_neg_inf();
-      unsigned max_id = DV_NO_ID;
-      for (unsigned s = 0; s < tp; ++s) {
-        const unsigned* r = hdr + s * DV_HDR;
-        if (r[DV_W_FLAGS] & 1u) has_nan = true;
-        const float v = argmax_u2f(r[DV_W_MAX_VAL]);
-        if (dv_better(v, r[DV_W_MAX_ID], mx, max_id)) {
-          mx = v;
-          max_id = r[DV_W_MAX_ID];
-        }
-      }
-      if (!has_nan && argmax_isfinite(mx)) {
-        double S = 0.0;
-        for (unsigned s = 0; s < tp; ++s) {
+    // the logprobs, now that the tokens' raw logits are known: a warp each row
+    if (want_lp) {
+      for (unsigned rr = t >> 5; rr < rows_now; rr += W) {
+        const unsigned d = d0 + rr;
+        const unsigned* hdr = sh.hdr + rr * per_row;
+        const float mx = sh.row_max[d];
+        const bool ok = !(sh.row_flags[d] & 1u) && argmax_isfinite(mx);
+        // source s's term of sum(exp(x - max)) (lanes over the sources), then summed in
+        // source order, as one thread would
+        double* term = sh.lp_term[t >> 5];
+        for (unsigned s = lane; s < tp; s += ww) {
+          double x = 0.0;
           const unsigned* r = hdr + s * DV_HDR;
           const float ms = argmax_u2f(r[DV_W_MAX_VAL]);
-          if (!argmax_isfinite(ms)) continue;
-          const double se = dv_u2d((dv_u64)r[DV_W_SUMEXP] | ((dv_u64)r[DV_W_SUMEXP + 1] << 32));
-          S += ms == mx ? se : se * dv_exp((double)ms - (double)mx);
+          if (ok && argmax_isfinite(ms)) {
+            const double se =
+                dv_u2d((dv_u64)r[DV_W_SUMEXP] | ((dv_u64)r[DV_W_SUMEXP + 1] << 32));
+            x = ms == mx ? se : dv_dmul(se, dv_exp(dv_dadd((double)ms, -(double)mx)));
+          }
+          term[s] = x;
         }
-        lp = (float)(((double)sh.tok_val[d] - (double)mx) - dv_log(S));
+        __syncwarp();
+        double S = 0.0;
+        if (lane == 0)
+          for (unsigned s = 0; s < tp; ++s) S = dv_dadd(S, term[s]);
+        if (lane == 0) {
+          sh.lp[d] = ok ? (float)dv_dadd(dv_dadd((double)sh.tok_val[d], -(double)mx), -dv_log(S))
+                        : dv_nan();
+        }
+        __syncwarp();  // the warp's terms are read before its next row writes them
       }
-      sh.lp[d] = lp;
     }
     __syncthreads();
   }
@@ -1490,7 +1523,8 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
     *accept_length = (int)accepted + 1;
   }
   __syncthreads();
-  const unsigned bad = sh.bad_src;
-  __syncthreads();  // every thread has read it before the next request resets it
+  unsigned bad = DV_NO_ID;  // the first row's first source with other parameters
+  for (unsigned d = 0; d < n && bad == DV_NO_ID; ++d) bad = sh.row_bad[d];
+  __syncthreads();  // every thread has read it before the next request writes it
   return bad;
 }
