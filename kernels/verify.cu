@@ -24,8 +24,8 @@
 //     launch     block DV_BLOCK, any grid (grid-stride over rows)
 //
 //   dp_verify_records_nolist(the same arguments)
-//     the same records when kcap == 0 (no row has top-k), with a few KB of shared
-//     memory per CTA instead of the top-k selection's ~38 KB (more CTAs per SM)
+//     the same records when kcap == 0 (no row has top-k), with the temperature queue's
+//     ~21 KB of shared memory per CTA instead of the top-k selection's ~26 KB
 //
 //   dp_verify_combine(u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
 //                     u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
