@@ -511,7 +511,7 @@ struct DvTopKShared {
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
   unsigned found_bin, found_above, n_gt, n_eq, n_cand, n_kept;
-  unsigned thr_slot[2][DV_WARPS];  // dv_row_max_gather: each warp's threshold, by parity
+  unsigned thr_slot[DV_WARPS];  // dv_row_max_gather: each warp's threshold so far
 };
 
 // A record kernel's shared memory without top-k lists (kcap == 0) ...
@@ -844,6 +844,20 @@ __device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my
   return dv_block_min(red, thr);
 }
 
+// Whether top-k rows gather their candidates in the first pass (dv_row_max_gather) or
+// in a second read of the row (dv_row_topk_gather), by element width.
+#ifndef DV_FUSED_TOPK_F32
+#define DV_FUSED_TOPK_F32 1
+#endif
+#ifndef DV_FUSED_TOPK_16
+#define DV_FUSED_TOPK_16 1
+#endif
+template <typename Tag>
+struct DvFusedTopK {
+  static constexpr bool value =
+      sizeof(typename Tag::Storage) == 4 ? DV_FUSED_TOPK_F32 != 0 : DV_FUSED_TOPK_16 != 0;
+};
+
 // Every column whose key is at or above thr into the candidates (shared memory, any
 // order; the warp reserves its slots with one atomic). Every lane of the warp calls it.
 __device__ __forceinline__ void dv_gather_visit(DvRecordShared& sh, float tv, float x,
@@ -868,10 +882,10 @@ __device__ __forceinline__ void dv_gather_visit(DvRecordShared& sh, float tv, fl
 // the row is read once: after rounds 1, 2, 4, 8, ... of DV_MAX_UNROLL vectors per
 // thread, each warp publishes the kk/warps-th largest of its lanes' maxima so far
 // (dv_topk_threshold's statistic on the columns seen: at least kk of them are at or
-// above the block's smallest), and each round's columns at or above the latest such
-// value join the candidates. The value only rises, so every column at or above the
-// final threshold (dv_topk_threshold of the whole row) is among the candidates, and with
-// it the row's first kk columns. Returns whether a column is NaN (as dv_row_max; the
+// above the smallest of the warps' values), and each round's columns at or above the
+// smallest value it reads join the candidates. Every warp's value only rises, so every
+// column at or above the final threshold (dv_topk_threshold of the whole row) is among
+// the candidates, and with it the row's first kk columns. Returns whether a column is NaN (as dv_row_max; the
 // candidates then do not matter); *ok: the candidates did not overflow DV_CAND_CAP.
 // sh.k.n_cand is reset here. Every thread of the block calls it.
 template <typename Tag>
@@ -884,13 +898,14 @@ __device__ bool dv_row_max_gather(const typename Tag::Storage* row, unsigned nco
   const unsigned t = threadIdx.x, B = blockDim.x, W = dv_nwarps(), w = t >> 5;
   const unsigned r = (kk + W - 1u) / W;
   const bool sortable = dv_warp_width() == 32u && r <= 32u;  // (uniform: B is a power of 2)
+  volatile unsigned* slot = sh.k.thr_slot;  // read while other warps raise theirs
   if (t == 0) sh.k.n_cand = 0;
+  if ((t & 31u) == 0) slot[w] = 0u;
   __syncthreads();
   m = dv_neg_inf();
   mc = DV_NO_ID;
   bool nan = false;
   float tv = dv_neg_inf();  // the gather's threshold value (-inf: every column)
-  unsigned updates = 0;
   auto see = [&](float x, unsigned c) {
     nan |= x != x;
     if (x > m) {
@@ -948,13 +963,17 @@ __device__ bool dv_row_max_gather(const typename Tag::Storage* row, unsigned nco
     if (((rho + 1u) & rho) == 0u) {  // rounds 1, 2, 4, 8, ...: raise the threshold
       unsigned wt = 0;
       if (sortable) wt = dv_warp_rth_largest(mc != DV_NO_ID ? dv_order_key(m) : 0u, r);
-      const unsigned par = updates & 1u;  // (a warp may write the next update's slots
-      if ((t & 31u) == 0) sh.k.thr_slot[par][w] = wt;  // while others read these)
-      __syncthreads();
+      if ((t & 31u) == 0) slot[w] = wt;
+      // one barrier, after the first round, so that every warp's first value is there;
+      // later rounds read the others' slots as they are: a value read late is an earlier,
+      // smaller one, still a valid threshold (no barrier in the stream)
+      if (rho == 0) __syncthreads();
       unsigned thr = wt;
-      for (unsigned i = 0; i < W; ++i) thr = sh.k.thr_slot[par][i] < thr ? sh.k.thr_slot[par][i] : thr;
+      for (unsigned i = 0; i < W; ++i) {
+        const unsigned o = i == w ? wt : slot[i];
+        thr = o < thr ? o : thr;
+      }
       tv = thr == 0u ? dv_neg_inf() : dv_key_value(thr);
-      ++updates;
     }
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
@@ -1309,7 +1328,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // a top-k row gathers its candidates in the same pass (dv_row_max_gather)
   bool fused_ok = false, saw_nan = false;
   if constexpr (kList) {
-    if (list_len > 0)
+    if (list_len > 0 && DvFusedTopK<Tag>::value)
       saw_nan = dv_row_max_gather<Tag>(row, ncols, col0, list_len, m, mc, *ls, &fused_ok);
     else
       saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
