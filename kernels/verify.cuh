@@ -510,8 +510,7 @@ struct DvTopKShared {
   unsigned sel_key[DV_TOPK_MAX];
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
-  unsigned found_bin, found_above, n_gt, n_eq, n_cand, n_kept;
-  unsigned thr_slot[DV_WARPS];  // dv_row_max_gather: each warp's threshold so far
+  unsigned found_bin, found_above, n_gt, n_eq, n_cand;
 };
 
 // A record kernel's shared memory without top-k lists (kcap == 0) ...
@@ -821,183 +820,23 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
 // columns at or above its value, kk in all. On random rows (a rough estimate) a few kk
 // columns pass (about a hundred for kk = 50 of 19 008); 0 (every column) when a warp is
 // partial or r > 32.
-// The r-th largest (1 <= r <= 32) of the keys of a full warp's lanes (a bitonic sort in
-// registers, descending by lane); every lane of the warp calls it and gets it.
-__device__ __forceinline__ unsigned dv_warp_rth_largest(unsigned key, unsigned r) {
-  const unsigned lane = threadIdx.x & 31u;
-  for (unsigned k = 2; k <= 32u; k <<= 1) {
-    for (unsigned j = k >> 1; j > 0; j >>= 1) {
-      const unsigned other = __shfl_xor_sync(DV_FULL, key, (int)j);
-      const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
-      key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
-    }
-  }
-  return __shfl_sync(DV_FULL, key, (int)(r - 1u));
-}
-
 __device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my_key,
                                                       unsigned kk) {
-  const unsigned W = dv_nwarps();
+  const unsigned lane = threadIdx.x & 31u, W = dv_nwarps();
   const unsigned r = (kk + W - 1u) / W;
   unsigned thr = 0;
-  if (dv_warp_width() == 32u && r <= 32u) thr = dv_warp_rth_largest(my_key, r);
+  if (dv_warp_width() == 32u && r <= 32u) {
+    unsigned key = my_key;  // bitonic sort of the warp's keys, descending by lane
+    for (unsigned k = 2; k <= 32u; k <<= 1) {
+      for (unsigned j = k >> 1; j > 0; j >>= 1) {
+        const unsigned other = __shfl_xor_sync(DV_FULL, key, (int)j);
+        const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
+        key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
+      }
+    }
+    thr = __shfl_sync(DV_FULL, key, (int)(r - 1u));
+  }
   return dv_block_min(red, thr);
-}
-
-// Whether top-k rows gather their candidates in the first pass (dv_row_max_gather) or
-// in a second read of the row (dv_row_topk_gather), by element width.
-#ifndef DV_FUSED_TOPK_F32
-#define DV_FUSED_TOPK_F32 1
-#endif
-#ifndef DV_FUSED_TOPK_16
-#define DV_FUSED_TOPK_16 1
-#endif
-template <typename Tag>
-struct DvFusedTopK {
-  static constexpr bool value =
-      sizeof(typename Tag::Storage) == 4 ? DV_FUSED_TOPK_F32 != 0 : DV_FUSED_TOPK_16 != 0;
-};
-
-// Every column whose key is at or above thr into the candidates (shared memory, any
-// order; the warp reserves its slots with one atomic). Every lane of the warp calls it.
-__device__ __forceinline__ void dv_gather_visit(DvRecordShared& sh, float tv, float x,
-                                                unsigned id, bool valid) {
-  const unsigned lane = threadIdx.x & 31u;
-  const bool pass = valid && x >= tv;
-  const unsigned mask = __ballot_sync(DV_FULL, pass);
-  if (mask != 0u) {  // uniform over the warp
-    const unsigned leader = (unsigned)__ffs(mask) - 1u;
-    unsigned base = 0;
-    if (lane == leader) base = atomicAdd(&sh.k.n_cand, (unsigned)__popc(mask));
-    base = __shfl_sync(DV_FULL, base, (int)leader);
-    const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
-    if (pass && slot < DV_CAND_CAP) {
-      sh.k.cand_key[slot] = dv_order_key(x);
-      sh.k.cand_id[slot] = id;
-    }
-  }
-}
-
-// Pass 1 of a top-k row (dv_row_max) fused with the gather of its candidates, so that
-// the row is read once: after rounds 1, 2, 4, 8, ... of DV_MAX_UNROLL vectors per
-// thread, each warp publishes the kk/warps-th largest of its lanes' maxima so far
-// (dv_topk_threshold's statistic on the columns seen: at least kk of them are at or
-// above the smallest of the warps' values), and each round's columns at or above the
-// smallest value it reads join the candidates. Every warp's value only rises, so every
-// column at or above the final threshold (dv_topk_threshold of the whole row) is among
-// the candidates, and with it the row's first kk columns. Returns whether a column is NaN (as dv_row_max; the
-// candidates then do not matter); *ok: the candidates did not overflow DV_CAND_CAP.
-// sh.k.n_cand is reset here. Every thread of the block calls it.
-template <typename Tag>
-__device__ bool dv_row_max_gather(const typename Tag::Storage* row, unsigned ncols,
-                                  unsigned col0, unsigned kk, float& m, unsigned& mc,
-                                  DvRecordShared& sh, bool* ok) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  constexpr unsigned U = DV_MAX_UNROLL;
-  const unsigned t = threadIdx.x, B = blockDim.x, W = dv_nwarps(), w = t >> 5;
-  const unsigned r = (kk + W - 1u) / W;
-  const bool sortable = dv_warp_width() == 32u && r <= 32u;  // (uniform: B is a power of 2)
-  volatile unsigned* slot = sh.k.thr_slot;  // read while other warps raise theirs
-  if (t == 0) sh.k.n_cand = 0;
-  if ((t & 31u) == 0) slot[w] = 0u;
-  __syncthreads();
-  m = dv_neg_inf();
-  mc = DV_NO_ID;
-  bool nan = false;
-  float tv = dv_neg_inf();  // the gather's threshold value (-inf: every column)
-  auto see = [&](float x, unsigned c) {
-    nan |= x != x;
-    if (x > m) {
-      m = x;
-      mc = c;
-    }
-  };
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns
-    const unsigned c = c0 + t;
-    const float x = c < head ? argmax_load1<Tag>(row + c) : 0.0f;
-    if (c < head) see(x, c);
-    dv_gather_visit(sh, tv, x, col0 + c, c < head);
-  }
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  unsigned rho = 0;
-  for (unsigned v0 = 0; v0 < nvec; v0 += U * B, ++rho) {  // uniform trip count
-    const unsigned v = v0 + t;
-    ArgmaxVec16 raw[U];
-#pragma unroll
-    for (unsigned u = 0; u < U; ++u) {
-      raw[u].w[0] = raw[u].w[1] = raw[u].w[2] = raw[u].w[3] = 0u;
-      if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
-    }
-    float xs[U][E];
-#pragma unroll
-    for (unsigned u = 0; u < U; ++u) {
-      ArgmaxUnpack<Tag>::run(raw[u], xs[u]);
-      if (v + u * B < nvec) {
-        float vm = xs[u][0];
-        bool nn = xs[u][0] != xs[u][0];
-#pragma unroll
-        for (unsigned j = 1; j < E; ++j) {
-          vm = argmax_fmax(vm, xs[u][j]);
-          nn |= xs[u][j] != xs[u][j];
-        }
-        nan |= nn;
-        if (vm > m) {
-          unsigned j = E - 1;
-          float xj = xs[u][E - 1];
-#pragma unroll
-          for (int i = (int)E - 2; i >= 0; --i) {
-            const bool eq = xs[u][i] == vm;
-            j = eq ? (unsigned)i : j;
-            xj = eq ? xs[u][i] : xj;
-          }
-          m = xj;
-          mc = head + (v + u * B) * E + j;
-        }
-      }
-    }
-    if (((rho + 1u) & rho) == 0u) {  // rounds 1, 2, 4, 8, ...: raise the threshold
-      unsigned wt = 0;
-      if (sortable) wt = dv_warp_rth_largest(mc != DV_NO_ID ? dv_order_key(m) : 0u, r);
-      if ((t & 31u) == 0) slot[w] = wt;
-      // one barrier, after the first round, so that every warp's first value is there;
-      // later rounds read the others' slots as they are: a value read late is an earlier,
-      // smaller one, still a valid threshold (no barrier in the stream)
-      if (rho == 0) __syncthreads();
-      unsigned thr = wt;
-      for (unsigned i = 0; i < W; ++i) {
-        const unsigned o = i == w ? wt : slot[i];
-        thr = o < thr ? o : thr;
-      }
-      tv = thr == 0u ? dv_neg_inf() : dv_key_value(thr);
-    }
-#pragma unroll
-    for (unsigned u = 0; u < U; ++u) {
-      const unsigned vv = v + u * B;
-      bool any = false;
-#pragma unroll
-      for (unsigned j = 0; j < E; ++j) any |= xs[u][j] >= tv;
-      if (__ballot_sync(DV_FULL, any && vv < nvec) != 0u) {  // rare once past the start
-#pragma unroll
-        for (unsigned j = 0; j < E; ++j)
-          dv_gather_visit(sh, tv, xs[u][j], col0 + head + vv * E + j, vv < nvec);
-      }
-    }
-  }
-  const unsigned tail = head + nvec * E;
-  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
-    const unsigned c = c0 + t;
-    const float x = c < ncols ? argmax_load1<Tag>(row + c) : 0.0f;
-    if (c < ncols) see(x, c);
-    dv_gather_visit(sh, tv, x, col0 + c, c < ncols);
-  }
-  __syncthreads();
-  *ok = sh.k.n_cand <= DV_CAND_CAP;
-  return nan;
 }
 
 // Pass 2 of a top-k row without NaN: every column whose order key is at or above thr
@@ -1010,11 +849,23 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
                                    unsigned col0, unsigned thr, DvRecordShared& sh) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  const unsigned t = threadIdx.x, B = blockDim.x;
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
   // no NaN here: key(x) >= thr <=> x >= the value of thr (-0 == +0 on both sides)
   const float tv = thr == 0u ? dv_neg_inf() : dv_key_value(thr);
   auto visit = [&](float x, unsigned c, bool valid) {
-    dv_gather_visit(sh, tv, x, col0 + c, valid);
+    const bool pass = valid && x >= tv;
+    const unsigned mask = __ballot_sync(DV_FULL, pass);
+    if (mask != 0u) {  // uniform over the warp
+      const unsigned leader = (unsigned)__ffs(mask) - 1u;
+      unsigned base = 0;
+      if (lane == leader) base = atomicAdd(&sh.k.n_cand, (unsigned)__popc(mask));
+      base = __shfl_sync(DV_FULL, base, (int)leader);
+      const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
+      if (pass && slot < DV_CAND_CAP) {
+        sh.k.cand_key[slot] = dv_order_key(x);
+        sh.k.cand_id[slot] = col0 + c;
+      }
+    }
   };
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
@@ -1059,20 +910,19 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   return ok;
 }
 
-// The first kk of n candidates (n <= blockDim.x; keys[i], ids[i] in shared memory, any
-// order) into rec's list in key order: candidate t's rank is the number of candidates
-// before it (key desc, id asc).
-__device__ void dv_select_few(const unsigned* keys, const unsigned* ids, unsigned n,
-                              unsigned kk, unsigned kcap, unsigned* rec) {
+// The first kk of n gathered candidates (n <= blockDim.x) into rec's list in key order:
+// candidate t's rank is the number of candidates before it (key desc, id asc).
+__device__ void dv_select_few(const DvRecordShared& sh, unsigned n, unsigned kk, unsigned kcap,
+                              unsigned* rec) {
   const unsigned t = threadIdx.x;
   if (t < n) {
-    const unsigned key = keys[t], id = ids[t];
+    const unsigned key = sh.k.cand_key[t], id = sh.k.cand_id[t];
     // (key desc, id asc) as one 64-bit order, larger first: no branch per candidate
     const dv_u64 me = ((dv_u64)key << 32) | (dv_u64)(~id);
     unsigned r = 0;
 #pragma unroll 4
     for (unsigned j = 0; j < n; ++j) {
-      const dv_u64 o = ((dv_u64)keys[j] << 32) | (dv_u64)(~ids[j]);
+      const dv_u64 o = ((dv_u64)sh.k.cand_key[j] << 32) | (dv_u64)(~sh.k.cand_id[j]);
       r += o > me ? 1u : 0u;
     }
     if (r < kk) {
@@ -1081,31 +931,6 @@ __device__ void dv_select_few(const unsigned* keys, const unsigned* ids, unsigne
     }
   }
   __syncthreads();
-}
-
-// The fused gather's candidates (sh.k.n_cand <= DV_CAND_CAP) whose key is at or above
-// thr, the row's final threshold, into sh.k.hist (keys in [0, 1024), ids in [1024,
-// 2048); any order; the first 1024 kept); returns how many are kept. Every candidate
-// before a kept one in key order is kept too, so the kept ones rank among themselves as
-// among all candidates. Every thread of the block calls it.
-#define DV_KEPT_MAX 1024
-__device__ unsigned dv_keep_above(DvRecordShared& sh, unsigned thr) {
-  const unsigned t = threadIdx.x, B = blockDim.x;
-  if (t == 0) sh.k.n_kept = 0;
-  __syncthreads();
-  const unsigned n = sh.k.n_cand;
-  for (unsigned j = t; j < n; j += B) {
-    const unsigned key = sh.k.cand_key[j];
-    if (key >= thr) {
-      const unsigned slot = atomicAdd(&sh.k.n_kept, 1u);
-      if (slot < DV_KEPT_MAX) {
-        sh.k.hist[slot] = key;
-        sh.k.hist[DV_KEPT_MAX + slot] = sh.k.cand_id[j];
-      }
-    }
-  }
-  __syncthreads();
-  return sh.k.n_kept;
 }
 
 // Floats (no NaN) as unsigned in their order; -0 just below +0.
@@ -1320,21 +1145,13 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     list_len = (unsigned)p.top_k < ncols ? (unsigned)p.top_k : ncols;
     if (list_len > kcap) list_len = kcap;  // the host sizes kcap to the largest top-k
   }
+  if (kList && t == 0) ls->k.n_cand = 0;  // (the barriers below publish it)
   // pass 1: first maximum; a row with a NaN is read again, every value handled, for its
   // first NaN (and its maximum, as torch.argmax has it)
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
   unsigned mc;
-  // a top-k row gathers its candidates in the same pass (dv_row_max_gather)
-  bool fused_ok = false, saw_nan = false;
-  if constexpr (kList) {
-    if (list_len > 0 && DvFusedTopK<Tag>::value)
-      saw_nan = dv_row_max_gather<Tag>(row, ncols, col0, list_len, m, mc, *ls, &fused_ok);
-    else
-      saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
-  } else {
-    saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
-  }
+  const bool saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   if (has_nan) {
@@ -1356,22 +1173,13 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   dv_block_best(rs.red, m, max_id, unused);
   if (!has_nan && max_id == DV_NO_ID && ncols > 0) max_id = col0;  // every column -inf
   // the top-k rows' candidates: the columns at or above a threshold from the threads'
-  // own maxima: those the first pass gathered (then compacted to the ones at or above
-  // the final threshold), or, when they overflowed, a second read of the row
+  // own maxima (a second read of the row)
   bool gathered = false;
-  unsigned kept = 0;
   if constexpr (kList) {
     if (list_len > 0 && !has_nan) {
       const unsigned thr =
           dv_topk_threshold(rs.red, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
-      if (fused_ok) {
-        kept = dv_keep_above(*ls, thr);
-        gathered = true;
-      } else {
-        if (t == 0) ls->k.n_cand = 0;
-        __syncthreads();
-        gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls);
-      }
+      gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls);
     }
   }
   // pass 2 (logprobs): sum of exp(x - max) in float64
@@ -1390,10 +1198,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   } else if constexpr (kList) {
     if (list_len > 0) {  // the first list_len columns in key order: a radix select
       const unsigned n = ls->k.n_cand;
-      if (fused_ok && kept <= blockDim.x)
-        dv_select_few(ls->k.hist, ls->k.hist + DV_KEPT_MAX, kept, list_len, kcap, rec);
-      else if (gathered && !fused_ok && n <= blockDim.x)
-        dv_select_few(ls->k.cand_key, ls->k.cand_id, n, list_len, kcap, rec);
+      if (gathered && n <= blockDim.x)
+        dv_select_few(*ls, n, list_len, kcap, rec);
       else if (gathered)
         dv_select(DvCandSource{ls, n}, list_len, 0, 0u, 0u, list_len, 0u, kcap, rec, *ls);
       else

@@ -91,28 +91,21 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 )
 
 
-#: The builds the tests run (compile flags): the default, where a top-k row gathers its
-#: candidates in its first pass (``dv_row_max_gather``); ``two-pass``, where it reads the
-#: row again for them (``dv_row_topk_gather``; what an overflow of the first falls back
-#: to); and two candidate capacities: one so small that every row takes the path that
-#: reads the row once per radix digit, and one between, that the tests' wide shards
-#: overflow in the first pass and only when the threshold is loose (partial warps, small
-#: blocks) in the second. Only the top-k tests below ask for all of them
-#: (:data:`WITH_EVERY_CAP`: every test four times would slow CI). The two small ones also
-#: build the first pass with one and with four vectors per round (``DV_MAX_UNROLL``; the
-#: default is two).
-CAND_CAPS: dict[str, tuple[str, ...]] = {
-    "candidates": (),
-    "two-pass": ("-DDV_FUSED_TOPK_F32=0", "-DDV_FUSED_TOPK_16=0"),
-    "small": ("-DDV_CAND_CAP=320", "-DDV_MAX_UNROLL=1"),
-    "row-passes": ("-DDV_CAND_CAP=16", "-DDV_MAX_UNROLL=4"),
-}
+#: The top-k selection's shared-memory candidate capacity: the default; one so small that
+#: every row takes the path that reads the row once per radix digit; and one between, that
+#: the tests' wide shards overflow only when the threshold is loose (partial warps, small
+#: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
+#: twice more would slow CI). The two small ones also build the first pass with one and
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
+CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 
 
 @pytest.fixture(scope="module", params=["candidates", "row-passes"])
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    flags = CAND_CAPS[request.param]
+    cap = CAND_CAPS[request.param]
+    unroll = 4 if cap is not None and cap < 64 else 1
+    flags = () if cap is None else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
