@@ -505,8 +505,9 @@ struct DvQueue {
 // The top-k selection's histogram, candidates and list.
 struct DvTopKShared {
   unsigned hist[2048];
-  unsigned cand_key[DV_CAND_CAP];  // (the raw logit is dv_key_value of the key)
-  unsigned cand_id[DV_CAND_CAP];
+  // the candidates as (order key << 32) | ~global id: a larger value comes first in key
+  // order (value desc, id asc); the raw logit is dv_key_value of the key
+  alignas(16) dv_u64 cand[DV_CAND_CAP];
   unsigned sel_key[DV_TOPK_MAX];
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
@@ -558,8 +559,9 @@ struct DvCandSource {
   static constexpr bool kColumnOrder = false;
   __device__ __forceinline__ unsigned size() const { return n; }
   __device__ __forceinline__ void get(unsigned i, unsigned& key, unsigned& id, float& val) const {
-    key = sh->k.cand_key[i];
-    id = sh->k.cand_id[i];
+    const dv_u64 c = sh->k.cand[i];
+    key = (unsigned)(c >> 32);
+    id = ~(unsigned)c;
     val = dv_key_value(key);
   }
 };
@@ -862,8 +864,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
       base = __shfl_sync(DV_FULL, base, (int)leader);
       const unsigned slot = base + __popc(mask & ((1u << lane) - 1u));
       if (pass && slot < DV_CAND_CAP) {
-        sh.k.cand_key[slot] = dv_order_key(x);
-        sh.k.cand_id[slot] = col0 + c;
+        sh.k.cand[slot] = ((dv_u64)dv_order_key(x) << 32) | (dv_u64)(~(col0 + c));
       }
     }
   };
@@ -911,23 +912,33 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
 }
 
 // The first kk of n gathered candidates (n <= blockDim.x) into rec's list in key order:
-// candidate t's rank is the number of candidates before it (key desc, id asc).
+// candidate t's rank is the number of candidates before it (key desc, id asc), counted
+// two candidates (one 16-byte shared load) at a time, without a branch.
+struct alignas(16) DvCandPair {
+  dv_u64 a, b;
+};
 __device__ void dv_select_few(const DvRecordShared& sh, unsigned n, unsigned kk, unsigned kcap,
                               unsigned* rec) {
   const unsigned t = threadIdx.x;
   if (t < n) {
-    const unsigned key = sh.k.cand_key[t], id = sh.k.cand_id[t];
-    // (key desc, id asc) as one 64-bit order, larger first: no branch per candidate
-    const dv_u64 me = ((dv_u64)key << 32) | (dv_u64)(~id);
-    unsigned r = 0;
+    const dv_u64* c = sh.k.cand;
+    const dv_u64 me = c[t];
+    unsigned r = 0, j = 0;
 #pragma unroll 4
-    for (unsigned j = 0; j < n; ++j) {
-      const dv_u64 o = ((dv_u64)sh.k.cand_key[j] << 32) | (dv_u64)(~sh.k.cand_id[j]);
-      r += o > me ? 1u : 0u;
+    for (; j + 2u <= n; j += 2u) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+      const dv_u64 a = c[j], b = c[j + 1];
+#else
+      const DvCandPair pr = *reinterpret_cast<const DvCandPair*>(c + j);
+      const dv_u64 a = pr.a, b = pr.b;
+#endif
+      r += (a > me ? 1u : 0u) + (b > me ? 1u : 0u);
     }
+    if (j < n) r += c[j] > me ? 1u : 0u;
     if (r < kk) {
+      const unsigned key = (unsigned)(me >> 32);
       rec[DV_HDR + r] = argmax_f2u(dv_key_value(key));
-      rec[DV_HDR + kcap + r] = id;
+      rec[DV_HDR + kcap + r] = ~(unsigned)me;
     }
   }
   __syncthreads();
