@@ -24,7 +24,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ipc_dpsample import DpSamplingComm
+from ipc_dpsample._version import package_commit
 from ipc_dpsample.testing import run_ranks
 
 TP = 2
@@ -144,17 +144,6 @@ def _thread_settings(text: str) -> list[int | None]:
     return settings
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except Exception:
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=80)
@@ -170,7 +159,7 @@ def main() -> int:
     print(
         f"# bench_torch_cpu: tp={TP} gloo, {os.cpu_count()} CPUs ({cpu}), "
         f"torch {torch.__version__} (default {torch.get_num_threads()} intra-op threads), "
-        f"{datetime.date.today().isoformat()}, commit {_commit()}"
+        f"{datetime.date.today().isoformat()}, commit {package_commit() or 'unknown'}"
     )
     print(f"# command: python scripts/bench_torch_cpu.py {' '.join(sys.argv[1:])}".rstrip())
     baseline = {"swap": "all_to_all_single+permute", "gather_verify_outputs": "3x all_gather"}

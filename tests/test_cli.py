@@ -660,3 +660,22 @@ def test_demo_end_to_end() -> None:
         if line.startswith(common.OPS):
             assert f"with bs={plan.bs})" in line and f" 0 with bs={plan.bs}" not in line, line
     assert "NO (" not in out
+
+
+def test_doctor_strips_terminal_escapes_from_tool_output() -> None:
+    """``nvidia-smi topo -m`` underlines its header with escape codes even into a pipe;
+    the report holds plain text."""
+    from ipc_dpsample.tools.doctor.collect import _run_text
+
+    code = "print('\\x1b[4mGPU0\\tCPU Affinity\\x1b[0m'); print('GPU0\\t X ')"
+    text = _run_text([sys.executable, "-c", code])
+    assert text == "GPU0\tCPU Affinity\nGPU0\t X"
+
+
+def test_doctor_reports_the_packages_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipc_dpsample.tools.doctor.collect import collect_versions
+
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    versions = collect_versions()
+    assert versions["ipc_dpsample_commit"] == "abc1234"
+    assert list(versions) == list(doctor.VERSION_KEYS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -93,6 +94,74 @@ def test_wheel_contains_every_python_file_of_the_tree(wheel: Path) -> None:
         and f"ipc_dpsample/{p.relative_to(PKG).as_posix()}" not in names
     ]
     assert not missing, f"{wheel.name} lacks {missing}"
+
+
+def _wheel_commit(wheel: Path) -> str | None:
+    text = zipfile.ZipFile(wheel).read("ipc_dpsample/_build_info.py").decode()
+    scope: dict[str, object] = {}
+    exec(compile(text, "_build_info.py", "exec"), scope)
+    commit = scope["COMMIT"]
+    assert commit is None or isinstance(commit, str)
+    return commit
+
+
+def test_wheel_records_the_commit_it_was_built_from(wheel: Path) -> None:
+    from ipc_dpsample._version import package_commit
+
+    # the test process runs from this tree with the build's environment, so the tree's
+    # own answer is what setup.py must have recorded
+    assert _wheel_commit(wheel) == package_commit()
+    if (ROOT / ".git").exists() and shutil.which("git") and not os.environ.get("GIT_COMMIT"):
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        assert (_wheel_commit(wheel) or "").split("-")[0] == head
+    assert not (PKG / "_build_info.py").exists(), "setup.py wrote into the source tree"
+
+
+def test_installed_copy_inside_another_repository_reports_its_own_commit(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """A package installed into a project's folder (a ``.venv`` inside a git checkout)
+    must not report that project's commit as its own."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git to build the enclosing repository")
+    repo = tmp_path / "project"
+    repo.mkdir()
+    (repo / "app.py").write_text("print('the user project')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    for args in (
+        ["init", "-q"],
+        ["add", "app.py"],
+        ["-c", "user.name=u", "-c", "user.email=u@example.com", "commit", "-q", "-m", "x"],
+    ):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env, timeout=60)
+    foreign = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout.strip()  # fmt: skip
+    site = repo / ".venv-site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+         "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = (
+        "import ipc_dpsample, ipc_dpsample._version as v\n"
+        f"assert ipc_dpsample.__file__.startswith({str(site)!r}), ipc_dpsample.__file__\n"
+        "print(repr(v.package_commit()))\n"
+    )
+    run_env = dict(env, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=run_env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reported = proc.stdout.strip()
+    assert reported == repr(_wheel_commit(wheel))
+    assert foreign not in reported
 
 
 def test_wheel_declares_the_console_script(wheel: Path) -> None:

@@ -82,6 +82,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..._version import package_commit
 from ..common import Machine, detect_machine, spawn
 from .config import (
     ARGMAX_BASELINES,
@@ -234,7 +235,7 @@ def run_bench(cfg: BenchConfig, machine: Machine | None = None) -> int:
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     plans = plan_launches(cfg, machine)
-    commit, gpu = _commit(), machine_gpu_name()
+    commit, gpu = package_commit(), machine_gpu_name()
     print(f"# ipc-dpsample bench: {started[:19]} UTC, commit {commit}, GPU {gpu}", flush=True)
     for lp in plans:
         print(
@@ -302,28 +303,6 @@ def _versions() -> dict[str, str | None]:
         except Exception:
             v[mod] = None
     return v
-
-
-def _commit() -> str | None:
-    """The package's git commit: ``GIT_COMMIT`` when set (a tree copied without
-    ``.git``), else ``git rev-parse`` of the checkout; None when neither works."""
-    env = os.environ.get("GIT_COMMIT", "").strip()
-    if env:
-        return env
-    import subprocess
-
-    root = Path(__file__).resolve().parents[3]
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
 
 
 def machine_gpu_name() -> str | None:

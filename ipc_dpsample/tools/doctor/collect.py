@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import __version__
+from ..._version import __version__, package_commit
 from ..common import VERIFY, DemoPlan, Machine, detect_machine
 from ..demo import mismatches, run_demo, unavailable
 from .hazards import collect_selection, find_hazards
@@ -63,6 +64,9 @@ def _try(fn: Any) -> Any:
         return None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 def _run_text(cmd: Sequence[str], timeout_s: float = 20.0) -> str | None:
     if shutil.which(cmd[0]) is None:
         return None
@@ -72,7 +76,8 @@ def _run_text(cmd: Sequence[str], timeout_s: float = 20.0) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+    text = _ANSI.sub("", out.stdout).strip()  # nvidia-smi underlines headers with escapes
+    return text if out.returncode == 0 and text else None
 
 
 def collect_versions() -> dict[str, str | None]:
@@ -80,6 +85,7 @@ def collect_versions() -> dict[str, str | None]:
     v: dict[str, str | None] = dict.fromkeys(VERSION_KEYS)
     v["python"] = platform.python_version()
     v["ipc_dpsample"] = __version__
+    v["ipc_dpsample_commit"] = package_commit()
     v["numpy"] = np.__version__
     try:
         import torch

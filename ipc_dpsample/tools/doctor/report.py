@@ -24,6 +24,7 @@ TOOL = "ipc-dpsample doctor"
 VERSION_KEYS = (
     "python",
     "ipc_dpsample",
+    "ipc_dpsample_commit",
     "numpy",
     "torch",
     "torch_cuda",
