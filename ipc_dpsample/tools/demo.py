@@ -11,9 +11,11 @@ with 1 when any rank fails or any output differs from the reference.
 
 ``verify_batch_vocab`` samples a serving mix (half greedy, half temperature 0.8 with
 top-k 50 and top-p 0.9, :data:`~.verify_case.DEMO_MIX`) with candidates that accept
-some drafts and reject others; a backend without the op in this version (onesided,
-nccl) gets the row "not available on <backend> in this version", which is not a
-failure (:func:`verify_note` is the row's footnote: the record bytes).
+some drafts and reject others; every backend runs it (onesided and nccl in their
+kernels, torch by its host algorithm). A backend that refuses it with
+``BackendUnavailableError`` would get the row "not available on <backend> in this
+version", which is not a failure (:func:`verify_note` is the row's footnote: the
+record bytes).
 
 How ranks are laid out (:func:`plan_demo`):
 
@@ -92,9 +94,8 @@ bs < pad_bs (real rows only). Then every op is timed and one short table is
 printed.
 
 verify_batch_vocab samples a serving mix (half greedy, half temperature 0.8
-with top-k 50 and top-p 0.9) with drafts that are accepted and rejected. A
-backend without the op in this version (onesided, nccl) shows its row as not
-available, which is not a failure.
+with top-k 50 and top-p 0.9) with drafts that are accepted and rejected, on
+every backend (onesided, nccl, torch).
 
 Ranks: one process per GPU with two or more GPUs; 4 rank threads sharing the
 GPU with one GPU (when the one-sided backend imports, else one rank); 4 CPU

@@ -130,8 +130,8 @@ reference. The results go to bench.csv, bench.json and bench.png in --out.
 
 --ops verify_batch_vocab measures the sampled verify for each --verify-mix
 against swap_batch_vocab + the package's full-row sampler + gather, read_once
-and argmax_batch_vocab, all checked against the NumPy reference. Backends
-without the op in this version (onesided, nccl) report it not available.
+and argmax_batch_vocab, all checked against the NumPy reference, on every
+backend (onesided, nccl, torch).
 
 Ranks for each tp: one process per GPU where tp <= GPUs; tp rank threads
 sharing GPU 0 where tp > GPUs (or with --gated); tp CPU processes over gloo
