@@ -170,6 +170,16 @@ REGISTRY: dict[str, EnvVar] = {
             "fit in one wave of such CTAs, else 128), `128` or `256`",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_BROADCAST",
+            _choice("auto", "on", "off"),
+            "auto",
+            "tuning: whether the one-sided `verify_batch_vocab` sends every row's record to "
+            "every rank, each rank combining every request (one round, no gather), or to the "
+            "row's owner, the results then gathered: `auto` (broadcast up to 64 rows "
+            "pad_bs * N), `on` (whenever the records fit the arena), `off`; every rank must "
+            "set the same (ranks that differ raise)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_VERIFY_CTAS_PER_SM",
             _one_of_ints(2, 3, 4),
             3,
@@ -254,6 +264,7 @@ class OnesidedTuning:
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
     verify_block: int = 0  # 0: auto (verify_plan.verify_block)
+    verify_broadcast: str = "auto"  # verify_plan.verify_broadcast's mode
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
 
@@ -285,6 +296,7 @@ def onesided_tuning() -> OnesidedTuning:
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
         cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
         verify_block=get("IPC_DPSAMPLE_VERIFY_BLOCK"),
+        verify_broadcast=get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
     )

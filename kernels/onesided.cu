@@ -473,8 +473,8 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
                                                  const DvParamPtrs& q, u32 kcap, bool want_lp,
                                                  u32 digest, u32 real_rows, u32 splits,
                                                  u32 rpd, u32 ncols, u32 limit, u64 region,
-                                                 u32 sig, DvRowShared& rs, DvQueue& qu,
-                                                 DvRecordShared* ls) {
+                                                 u32 sig, bool bcast, DvRowShared& rs,
+                                                 DvQueue& qu, DvRecordShared* ls) {
   const u64* peers = (const u64*)d.peers;
   const u32 col0 = d.rank * ncols;
   const u32 local_limit = limit <= col0 ? 0u : (limit - col0 < ncols ? limit - col0 : ncols);
@@ -492,11 +492,31 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
     u32 bad, bits, dg = digest;
     const DvParams p = dv_load_params(q, req, limit, &bad, &bits, &dg);
     if (bad && threadIdx.x == 0) dp_report_value(d, req, bad, bits, sig);
-    unsigned* rec = (unsigned*)(peers[dest] + region) +
+    // broadcast (rpd = pad_bs * N, dest = 0): the record into this rank's own region
+    // (copied into every peer's below)
+    unsigned* rec = (unsigned*)(peers[bcast ? d.rank : dest] + region) +
                     (((u64)d.rank * splits + sp) * rpd + i) * rec_words;
     dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols + c0, nc,
                               col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs,
                               qu, ls);
+  }
+  if (!bcast || d.tp == 1) return;
+  // broadcast: this CTA's records, complete (dv_row_record ends with a barrier), into
+  // every peer's region at the same place: the header, the list's len values (at
+  // DV_HDR) and its len ids (at DV_HDR + kcap)
+  for (u32 u = blockIdx.x; u < units; u += gridDim.x) {
+    const u32 g = u / splits, sp = u - g * splits;
+    const u64 at = region + ((((u64)d.rank * splits + sp) * rpd + g) * rec_words) * 4ull;
+    const unsigned* rec = (const unsigned*)(peers[d.rank] + at);
+    const u32 len = kcap < rec[DV_W_LIST_LEN] ? kcap : rec[DV_W_LIST_LEN];
+    const u32 words = DV_HDR + 2u * len;
+    for (u32 e = threadIdx.x; e < (d.tp - 1u) * words; e += blockDim.x) {
+      const u32 j = e / words, w = e - j * words;
+      u32 peer = d.rank + 1u + j;
+      if (peer >= d.tp) peer -= d.tp;
+      const u32 off = w < DV_HDR + len ? w : w - len + kcap;
+      ((unsigned*)(peers[peer] + at))[off] = rec[off];
+    }
   }
 }
 
@@ -507,13 +527,14 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
                                             u64 bs_ptr, i64 bs_host, i64 splits,
                                             const DpDesc& d, i64 pad_bs, i64 ncols,
                                             i64 vocab_limit, i64 dtype_code, u64 sig,
-                                            u64 region_off, i64 region_bytes, DvRowShared& rs,
-                                            DvQueue& qu, DvRecordShared* ls) {
+                                            u64 region_off, i64 region_bytes, i64 bcast,
+                                            DvRowShared& rs, DvQueue& qu, DvRecordShared* ls) {
   u32* ctrl = dp_ctrl(d);
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
   const u32 e = s.e, parity = s.parity, full_sig = s.sig;
   const u64 region = region_off + (u64)(parity & d.parity_mask) * (u64)region_bytes;
-  const u32 rpd = (u32)(pad_bs / d.tp) * d.n;
+  // rows per source in the region: the owner's rows, or every row when broadcasting
+  const u32 rpd = bcast ? (u32)pad_bs * d.n : (u32)(pad_bs / d.tp) * d.n;
   const u32 real_rows = s.bs * d.n;
   const u32 sp = (u32)splits;
   const u32 active = dp_active_ctas((u64)real_rows * sp);  // see dp_swap_push
@@ -524,13 +545,13 @@ __device__ __forceinline__ void verify_push(u64 src_ptr, u64 cand_ptr, u64 tempe
   const bool lp = want_lp != 0;
   if (dtype_code == 1)
     verify_push_rows<ArgmaxBf16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                        lim, region, full_sig, rs, qu, ls);
+                                        lim, region, full_sig, bcast != 0, rs, qu, ls);
   else if (dtype_code == 2)
     verify_push_rows<ArgmaxF16, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                       lim, region, full_sig, rs, qu, ls);
+                                       lim, region, full_sig, bcast != 0, rs, qu, ls);
   else
     verify_push_rows<ArgmaxF32, kList>(d, src_ptr, cand, q, kc, lp, dg, real_rows, sp, rpd, nc,
-                                       lim, region, full_sig, rs, qu, ls);
+                                       lim, region, full_sig, bcast != 0, rs, qu, ls);
 
   __shared__ u32 last;
   __syncthreads();
@@ -566,11 +587,11 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_LIST_MIN_CTAS)
                    u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,
                    u64 bs_ptr, i64 bs_host, i64 splits, DpDesc d, i64 pad_bs, i64 ncols,
                    i64 vocab_limit, i64 dtype_code, u64 sig, u64 region_off,
-                   i64 region_bytes) {
+                   i64 region_bytes, i64 bcast) {
   __shared__ DvRecordShared sh;
   verify_push<true>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                     want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
-                    dtype_code, sig, region_off, region_bytes, sh.row, sh.q, &sh);
+                    dtype_code, sig, region_off, region_bytes, bcast, sh.row, sh.q, &sh);
 }
 
 // kcap == 0 (no row has top-k): the same, with a few KB of shared memory per CTA.
@@ -579,11 +600,11 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK, DV_NOLIST_MIN_CTAS)
                           u64 min_p, u64 seed, u64 offset, i64 kcap, i64 want_lp,
                           i64 digest, u64 bs_ptr, i64 bs_host, i64 splits, DpDesc d,
                           i64 pad_bs, i64 ncols, i64 vocab_limit, i64 dtype_code, u64 sig,
-                          u64 region_off, i64 region_bytes) {
+                          u64 region_off, i64 region_bytes, i64 bcast) {
   __shared__ DvRowQueueShared sh;
   verify_push<false>(src_ptr, cand_ptr, temperature, top_k, top_p, min_p, seed, offset, kcap,
                      want_lp, digest, bs_ptr, bs_host, splits, d, pad_bs, ncols, vocab_limit,
-                     dtype_code, sig, region_off, region_bytes, sh.row, sh.q, nullptr);
+                     dtype_code, sig, region_off, region_bytes, bcast, sh.row, sh.q, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(DV_BLOCK)
@@ -592,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
                      i64 splits, DpDesc d, i64 pad_bs, i64 vocab_limit, u64 sig,
                      u64 region_off,
                      i64 region_bytes, u64 out_predict, u64 out_accept_index,
-                     u64 out_accept_length, u64 out_logprobs) {
+                     u64 out_accept_length, u64 out_logprobs, i64 bcast) {
   __shared__ DvCombineShared sh;
   const DpOpStart s = dp_op_start(d, bs_ptr, bs_host, pad_bs, sig);
   if (s.broken) return;  // the push failed: nothing arrived
@@ -600,23 +621,29 @@ extern "C" __global__ void __launch_bounds__(DV_BLOCK)
   const unsigned* region =
       (const unsigned*)(d.base + region_off + (u64)(e & 1u & d.parity_mask) * (u64)region_bytes);
   const u32 R = (u32)(pad_bs / d.tp), n = d.n;
-  const u32 mine = dp_real_reqs(s.bs, d.rank, R);
+  // owner: this rank's real requests, into its own results (gathered next); broadcast:
+  // every real request of the batch (every rank holds every record), into the gathered
+  // outputs at the request's place, numbered as its owner numbers it
+  const u32 todo = bcast ? s.bs : dp_real_reqs(s.bs, d.rank, R);
+  const u32 rows_per_src = bcast ? (u32)pad_bs * n : R * n;
+  const u32 first_req = bcast ? 0u : d.rank * R;
   const u32 rec_words = DV_HDR + 2 * (u32)kcap;
   const DvParamPtrs q{temperature, top_k, top_p, min_p, seed, offset};
   const int* cand = (const int*)cand_ptr;
-  for (u32 i = blockIdx.x; i < mine; i += gridDim.x) {
-    const u32 req = d.rank * R + i;
+  for (u32 i = blockIdx.x; i < todo; i += gridDim.x) {
+    const u32 req = first_req + i;
+    const u32 local = req % R;  // the request's row block at its owner
     u32 bad, bits, dg = (u32)digest;
     const DvParams p = dv_load_params(q, req, (u32)vocab_limit, &bad, &bits, &dg);
     const unsigned mismatch = dv_combine_request(
-        region, d.tp * (u32)splits, R * n, rec_words, (u32)kcap, i, n, p,
+        region, d.tp * (u32)splits, rows_per_src, rec_words, (u32)kcap, i, n, p,
         cand + (u64)req * n, dg,
-        want_lp != 0, (int)(i * n), (int*)out_predict + (u64)i * n,
+        want_lp != 0, (int)(local * n), (int*)out_predict + (u64)i * n,
         (int*)out_accept_index + (u64)i * n, (int*)out_accept_length + i,
         (float*)out_logprobs + (u64)i * n, sh);
     if (mismatch != DV_NO_ID) {  // uniform over the CTA
       if (threadIdx.x == 0) {
-        const unsigned* r = region + ((u64)mismatch * R * n + (u64)i * n) * rec_words;
+        const unsigned* r = region + ((u64)mismatch * rows_per_src + (u64)i * n) * rec_words;
         dp_report(d, DP_ERR_PARAMS, mismatch / (u32)splits, s.sig, e,
                   ((u64)r[DV_W_CAND] << 32) | r[DV_W_DIGEST]);
       }

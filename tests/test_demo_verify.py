@@ -186,7 +186,9 @@ def test_demo_checks_verify_against_the_reference(
     assert "NO (" in demo.format_report(plan, results)
 
 
-def test_demo_row_and_footnote_state_the_mix_and_the_record_bytes() -> None:
+def test_demo_row_and_footnote_state_the_mix_and_the_record_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     plan = demo.plan_demo(CPU_BOX, world_size=2)
     table = demo.format_report(plan, _fake_demo_results(plan, None))
     row = next(ln for ln in table.splitlines() if ln.startswith(common.VERIFY + " "))
@@ -196,8 +198,13 @@ def test_demo_row_and_footnote_state_the_mix_and_the_record_bytes() -> None:
     # 520 B records (top-k 50) for 16 x 4 rows from one peer; the swap moves 4.10 MB
     assert "a 520 B record per row per shard, 33.28 kB received per rank" in note, note
     assert "(swap_batch_vocab: 4.10 MB)" in note
-    # the one-sided kernels: 1072 B records (device parameters: 128 list entries), each
-    # sent to the row's owner only: 8 x 4 rows from the one peer
+    # the one-sided kernels: 1072 B records (device parameters: 128 list entries); this
+    # batch (16 x 4 = 64 rows) is small enough that each is broadcast: 16 x 4 rows from
+    # the one peer ...
+    onesided = demo.verify_note(plan, "onesided")
+    assert "a 1072 B record per row per shard, 68.61 kB received per rank" in onesided, onesided
+    # ... and without the broadcast, each is sent to the row's owner only: 8 x 4 rows
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", "off")
     onesided = demo.verify_note(plan, "onesided")
     assert "a 1072 B record per row per shard, 34.30 kB received per rank" in onesided, onesided
 

@@ -84,6 +84,13 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     assert envs.onesided_tuning().verify_block == 0  # verify_plan.verify_block decides
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BLOCK")
     assert envs.onesided_tuning().verify_block == 0
+    assert envs.onesided_tuning().verify_broadcast == "auto"
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", "OFF")
+    assert envs.onesided_tuning().verify_broadcast == "off"
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", "always")
+    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_BROADCAST='always'.*'on'"):
+        envs.onesided_tuning()
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BROADCAST")
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_UNROLL")
     monkeypatch.setenv("IPC_DPSAMPLE_ARGMAX_UNROLL", "3")
     with pytest.raises(ValueError, match="IPC_DPSAMPLE_ARGMAX_UNROLL"):

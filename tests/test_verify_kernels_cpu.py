@@ -757,3 +757,43 @@ def test_refusals_name_the_reason() -> None:
     params = verify_params(pad_bs=4, num_tokens_per_req=2, vocab_size=4000, **prm)
     assert kernel_path_refusal(params, 8) is None
     assert "merge entries" in str(kernel_path_refusal(params, 16))
+
+
+def test_verify_broadcast_only_for_small_batches_whose_records_fit() -> None:
+    from ipc_dpsample.backends.onesided.contract import ArenaOffsets
+    from ipc_dpsample.backends.verify_plan import BROADCAST_MAX_ROWS, verify_broadcast
+
+    def arena_words(tp: int, max_pad_bs: int, n: int) -> int:
+        lay = ArenaOffsets(
+            tp=tp, max_pad_bs=max_pad_bs, num_tokens_per_req=n, vocab_size=250 * tp, itemsize=4
+        )
+        return lay.verify_region_bytes // 4
+
+    assert BROADCAST_MAX_ROWS == 64
+    for tp in (2, 3, 4, 8):
+        for max_pad_bs in (tp, 4 * tp, 256 // tp * tp):
+            for n in (1, 3, 4):
+                words = arena_words(tp, max_pad_bs, n)
+                for pad_bs in range(tp, max_pad_bs + 1, tp):
+                    rows = pad_bs * n
+                    for cap in (0, 50, 128):
+                        kw = dict(rows=rows, tp=tp, cap=cap, region_words=words)
+                        auto = verify_broadcast(**kw, mode="auto")
+                        # the arena holds every broadcast batch auto picks, any top-k
+                        assert auto == (rows <= BROADCAST_MAX_ROWS), (tp, max_pad_bs, n, pad_bs)
+                        on = verify_broadcast(**kw, mode="on")
+                        assert on == (tp * rows * record_words(cap) <= words)
+                        assert not verify_broadcast(**kw, mode="off")
+                        if on:  # the splits a broadcast call takes fit the region too
+                            s = verify_splits(
+                                rows=rows, tp=tp, vocab_shard=19008, cap=cap,
+                                region_words=words // tp,
+                            )  # fmt: skip
+                            assert tp * s * rows * record_words(cap) <= words
+    # one rank has no peer to broadcast to
+    assert not verify_broadcast(rows=4, tp=1, cap=0, region_words=10**6, mode="on")
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        verify_broadcast(rows=4, tp=2, cap=0, region_words=10**6, mode="yes")
+    # ranks whose environments disagree never combine silently: the digest says
+    assert call_digest(1000, 0, False, 4, 1, True) != call_digest(1000, 0, False, 4, 1, False)
+    assert call_digest(1000, 0, False, 4, 2, True) != call_digest(1000, 0, False, 4, 2)

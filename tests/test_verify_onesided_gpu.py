@@ -176,7 +176,7 @@ def warm_sampler(dtype: str, n: int, v: int) -> None:
     torch.cuda.synchronize()
 
 
-def _matrix_body(rank: int, tp: int, group: Any) -> dict[str, int]:
+def _matrix_body(rank: int, tp: int, group: Any, max_pad_bs: int) -> dict[str, int]:
     import torch
 
     torch.cuda.set_device(0)
@@ -187,19 +187,40 @@ def _matrix_body(rank: int, tp: int, group: Any) -> dict[str, int]:
             warm_sampler(dtype, n, 250 * tp)
             group.barrier(timeout_s=120, what="warm")
             with onesided_comm(
-                group, rank, tp, max_pad_bs=4 * tp, num_tokens_per_req=n, vocab_size=250 * tp,
-                logits_dtype=dtype,
+                group, rank, tp, max_pad_bs=max_pad_bs, num_tokens_per_req=n,
+                vocab_size=250 * tp, logits_dtype=dtype,
             ) as comm:  # fmt: skip
                 for i, case in enumerate(_cases(tp, dtype)):
                     path = gpu_case(comm, rank, tp, (31, d, i), case).split(":")[0]
                     paths[path] = paths.get(path, 0) + 1
+                    if path == "kernels" and comm._backend.last_verify_broadcast:
+                        paths["broadcast"] = paths.get("broadcast", 0) + 1
     return paths
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
-def test_verify_matches_the_reference_on_rank_threads(tp: int) -> None:
-    out = run_threads(tp, _matrix_body, timeout_s=900)
-    assert out[0]["kernels"] >= 15 and out[0]["swap"] >= 6, out[0]
+# IPC_DPSAMPLE_VERIFY_BROADCAST: auto broadcasts the records of the batches up to 64 rows
+# (here the smaller cases, the larger ones go to their owners); on, with an arena sized
+# for tp times the largest case, broadcasts every kernel call; off never does
+@pytest.mark.parametrize(
+    ("tp", "broadcast"),
+    [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (8, "auto"),
+     (2, "on"), (3, "on"), (8, "on"), (2, "off"), (8, "off")],
+)  # fmt: skip
+def test_verify_matches_the_reference_on_rank_threads(
+    tp: int, broadcast: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", broadcast)
+    max_pad_bs = 4 * tp * (tp if broadcast == "on" else 1)
+    out = run_threads(tp, _matrix_body, max_pad_bs, timeout_s=900)
+    paths = out[0]
+    assert paths["kernels"] >= 15 and paths["swap"] >= 6, paths
+    assert all(o == paths for o in out), out
+    if broadcast == "on":
+        assert paths.get("broadcast") == paths["kernels"], paths
+    elif broadcast == "off" or tp == 1:
+        assert "broadcast" not in paths, paths
+    else:  # both routes ran
+        assert 0 < paths.get("broadcast", 0) < paths["kernels"], paths
 
 
 def _large_body(rank: int, tp: int, group: Any) -> int:
@@ -290,10 +311,17 @@ def _mismatch_body(rank: int, tp: int, group: Any, what: str) -> str:
             )
 
 
+@pytest.mark.parametrize("broadcast", ["on", "off"])
 @pytest.mark.parametrize("what", ["temperature", "candidates"])
-def test_ranks_passing_different_arguments_raise(what: str) -> None:
+def test_ranks_passing_different_arguments_raise(
+    what: str, broadcast: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", broadcast)
     out = run_threads(2, _mismatch_body, what, timeout_s=120)
     found = "called verify_batch_vocab with different arguments"
+    if broadcast == "on":  # every rank combines every request, so every rank sees it
+        assert all(found in t for t in out), out
+        return
     # a rank that owns a differing row says so; the others wait for its gathers and
     # time out, pointed at the verify's argument check
     for text in out:
@@ -398,8 +426,12 @@ def _graph_body(rank: int, tp: int, group: Any, replays: int) -> list[Any]:
     return failures
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_graph_replayed_50_times_with_new_device_parameters(tp: int) -> None:
+@pytest.mark.parametrize(("tp", "broadcast"), [(2, "auto"), (4, "auto"), (4, "off")])
+def test_graph_replayed_50_times_with_new_device_parameters(
+    tp: int, broadcast: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # auto broadcasts these batches (2 * tp * 3 rows); off sends them to the owners
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", broadcast)
     out = run_threads(tp, _graph_body, 50, timeout_s=600)
     assert out == [[]] * tp, out
 

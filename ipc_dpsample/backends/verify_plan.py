@@ -17,6 +17,7 @@ import numpy as np
 from ..layout import SAMPLING_EPS, TOP_K_MAX, VerifyParams
 
 __all__ = [
+    "BROADCAST_MAX_ROWS",
     "DV_HDR",
     "DV_MAX_N",
     "DV_MAX_SOURCES",
@@ -35,6 +36,7 @@ __all__ = [
     "param_offsets",
     "record_words",
     "verify_block",
+    "verify_broadcast",
     "verify_splits",
 ]
 
@@ -57,6 +59,9 @@ SPLIT_MIN_COLUMNS = 2048
 VERIFY_BLOCK_FEW_ROWS = 256
 #: ... and when they do not: more CTAs per SM (both measured on an H100: BENCHMARKS.md).
 VERIFY_BLOCK_MANY_ROWS = 128
+#: ``auto`` broadcasts the one-sided records (every rank combines every request: one
+#: round, no gather) up to this many rows ``pad_bs * N`` (:func:`verify_broadcast`).
+BROADCAST_MAX_ROWS = 64
 
 #: The per-request arrays the kernels read (``struct DvParamPtrs``), in argument order.
 PARAM_FIELDS = (
@@ -137,14 +142,62 @@ def pack_params(params: VerifyParams) -> np.ndarray:
     return out
 
 
-def call_digest(vocab_limit: int, cap: int, return_logprobs: bool, n: int, splits: int = 1) -> int:
+def call_digest(
+    vocab_limit: int,
+    cap: int,
+    return_logprobs: bool,
+    n: int,
+    splits: int = 1,
+    broadcast: bool = False,
+) -> int:
     """A 31-bit digest of the call-wide arguments every rank must pass alike
-    (``vocab_limit``, the list capacity, ``return_logprobs``, ``N``, and the record
-    kernel's column blocks per row when more than one). The kernels mix in each
-    request's normalised parameters, every record carries the result and the row's
-    owner compares: ranks that disagree raise."""
+    (``vocab_limit``, the list capacity, ``return_logprobs``, ``N``, the record kernel's
+    column blocks per row when more than one, and whether the records are broadcast).
+    The kernels mix in each request's normalised parameters, every record carries the
+    result and the combining rank compares: ranks that disagree raise."""
     words = [vocab_limit, cap, int(return_logprobs), n] + ([splits] if splits != 1 else [])
+    if broadcast:
+        words.append(-1)  # (no other word is negative)
     return zlib.crc32(np.array(words, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def verify_broadcast(*, rows: int, tp: int, cap: int, region_words: int, mode: str) -> bool:
+    """Whether a one-sided ``verify_batch_vocab`` call broadcasts its records.
+
+    The default route sends each row's records to the row's owner, which combines its
+    requests; a gather then gives every rank every result: two rounds between the ranks.
+    Broadcast sends every record to every rank and each rank combines every request,
+    writing the results in place: one round and one launch less, for ``tp`` times the
+    record bytes and ``tp`` times the combine work (each rank's CTAs take requests in
+    parallel). That pays for small batches, where a round costs more than the bytes.
+
+    Parameters
+    ----------
+    rows : int
+        ``pad_bs * N``.
+    tp : int
+        Ranks.
+    cap : int
+        The call's list capacity (:func:`list_cap`; 0 without top-k).
+    region_words : int
+        u32 words of one parity's verify region: broadcast needs ``tp * rows`` records.
+    mode : str
+        ``auto`` (broadcast up to :data:`BROADCAST_MAX_ROWS` rows), ``on`` (whenever the
+        region holds them), ``off`` (never); ``IPC_DPSAMPLE_VERIFY_BROADCAST``.
+
+    Returns
+    -------
+    bool
+        Every rank computes the same from the same call and environment; the call digest
+        carries it, so ranks whose environments disagree raise instead of combining
+        records from the wrong places.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"mode={mode!r}; expected 'auto', 'on' or 'off'")
+    if tp == 1 or mode == "off":
+        return False
+    fits = tp * rows * record_words(cap) <= region_words
+    return fits and (mode == "on" or rows <= BROADCAST_MAX_ROWS)
 
 
 def verify_block(*, rows: int, gpu_sharing: int, resident_ctas: int) -> int:

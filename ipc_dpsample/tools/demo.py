@@ -348,10 +348,13 @@ def unavailable(results: Sequence[dict[str, Any]], op: str) -> str:
 def verify_note(plan: DemoPlan, backend: str = "torch") -> str:
     """The footnote of the table's ``verify_batch_vocab`` row: its mix, and the bytes its
     records move against the swap's (the torch backend all-gathers every row's records;
-    the GPU kernels send each record to the row's owner only)."""
+    the GPU kernels send each record to the row's owner only, except that the one-sided
+    kernels broadcast the records of small batches: ``verify_plan.verify_broadcast``)."""
     rec = record_bytes(DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab, backend=backend)
     peers = plan.world - 1
     rows = plan.pad_bs // plan.world if backend in ("onesided", "nccl") else plan.pad_bs
+    if backend == "onesided" and _onesided_broadcasts(plan, rec // 4):
+        rows = plan.pad_bs
     moved = peers * rows * plan.num_tokens * rec
     return (
         f"note: {VERIFY}'s mix: {mix_text(DEMO_MIX)}; 0 to N-1 drafts accepted per "
@@ -359,6 +362,29 @@ def verify_note(plan: DemoPlan, backend: str = "torch") -> str:
         f"rank from its {peers} "
         f"peer{'s' if peers != 1 else ''} (swap_batch_vocab: "
         f"{_fmt_bytes(plan.op_bytes('swap_batch_vocab'))})"
+    )
+
+
+def _onesided_broadcasts(plan: DemoPlan, words: int) -> bool:
+    """Whether the one-sided backend broadcasts the records of the plan's batch
+    (records of ``words`` u32), as a communicator of the plan's options decides it."""
+    from .. import envs
+    from ..backends.onesided.contract import ArenaOffsets
+    from ..backends.verify_plan import DV_HDR, verify_broadcast
+
+    arena = ArenaOffsets(
+        tp=plan.world,
+        max_pad_bs=plan.pad_bs,
+        num_tokens_per_req=plan.num_tokens,
+        vocab_size=plan.vocab,
+        itemsize=np.dtype(plan.dtype if plan.dtype != "bfloat16" else "uint16").itemsize,
+    )
+    return verify_broadcast(
+        rows=plan.pad_bs * plan.num_tokens,
+        tp=plan.world,
+        cap=max(0, (words - DV_HDR) // 2),
+        region_words=arena.verify_region_bytes // 4,
+        mode=envs.get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
     )
 
 

@@ -57,6 +57,7 @@ from ..verify_plan import (
     param_bytes,
     param_offsets,
     verify_block,
+    verify_broadcast,
     verify_splits,
 )
 from ..verify_swap import verify_by_swap
@@ -227,11 +228,14 @@ class OnesidedBackend(Backend):
         self._gather_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._argmax_plans: dict[tuple[int, int], PreparedLaunch] = {}
         self._verify_plans: dict[
-            tuple[int, int, bool], tuple[PreparedLaunch, PreparedLaunch, int]
+            tuple[int, int, bool, bool], tuple[PreparedLaunch, PreparedLaunch, int]
         ] = {}
         self._verify_bufs: Any = None  # this rank's results and host parameters (below)
         #: "kernels" or "swap: <why>": how the last verify_batch_vocab ran (tests, bench)
         self.last_verify_path = ""
+        #: whether the last verify_batch_vocab on the kernels broadcast its records
+        #: (verify_plan.verify_broadcast; tests, bench)
+        self.last_verify_broadcast = False
         #: the last op issued was verify_batch_vocab on its kernels (check()'s hint)
         self._verify_last = False
         # ranks that are threads of one process must not share a stream
@@ -497,17 +501,25 @@ class OnesidedBackend(Backend):
         return self._verify_bufs
 
     def _verify_plan(
-        self, pad_bs: int, vocab_limit: int, lists: bool
+        self, pad_bs: int, vocab_limit: int, lists: bool, broadcast: bool
     ) -> tuple[PreparedLaunch, PreparedLaunch, int]:
         """``(push, finish, push grid limit)``; ``lists``: some row may have top-k (the
-        push with the selection's shared memory), else ``dp_verify_push_nolist``."""
-        plan = self._verify_plans.get((pad_bs, vocab_limit, lists))
+        push with the selection's shared memory), else ``dp_verify_push_nolist``;
+        ``broadcast``: every record to every rank, the finish writing every request's
+        results into the arena's outputs (else this rank's into its own buffers, which
+        the gathers send)."""
+        key = (pad_bs, vocab_limit, lists, broadcast)
+        plan = self._verify_plans.get(key)
         if plan is not None:
             return plan
         cfg, lay, desc = self.cfg, self.layout, self._desc
         dtype = self._logits_dtype
         assert dtype is not None
-        outs = tuple(int(a.data.ptr) for a in self._verify_buffers()[:4])
+        if broadcast:
+            names = ("predict", "accept_index", "accept_length", "logprobs")
+            outs = tuple(self.arena.ptr + lay.out_off(name) for name in names)
+        else:
+            outs = tuple(int(a.data.ptr) for a in self._verify_buffers()[:4])
         sig = self._sig(Op.VERIFY, dtype, pad_bs)
         vs = cfg.vocab_size // cfg.tp_size
         region = (lay.verify_off, lay.verify_region_bytes)
@@ -519,21 +531,22 @@ class OnesidedBackend(Backend):
             resident_ctas=self._resident_grid[(name, VERIFY_BLOCK_FEW_ROWS)],
         )
         push_grid = self._resident_grid[(name, block)]
+        bcast = int(broadcast)
         push = self._launch(
             name,
             max(1, min(rows, push_grid)),  # the grid of each call: its blocks, at most this
             block,
-            (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region),
+            (0,) * 14 + (desc, pad_bs, vs, vocab_limit, int(Dtype.of(dtype)), sig, *region, bcast),
             14,
         )
         finish = self._launch(
             "dp_verify_finish",
-            max(1, pad_bs // cfg.tp_size),
+            max(1, pad_bs if broadcast else pad_bs // cfg.tp_size),
             VERIFY_BLOCK,
-            (0,) * 13 + (desc, pad_bs, vocab_limit, sig, *region, *outs),
+            (0,) * 13 + (desc, pad_bs, vocab_limit, sig, *region, *outs, bcast),
             13,
         )
-        plan = self._verify_plans[(pad_bs, vocab_limit, lists)] = (push, finish, push_grid)
+        plan = self._verify_plans[key] = (push, finish, push_grid)
         return plan
 
     def _host_param_pointers(self, params: VerifyParams, handle: int) -> tuple[int, ...]:
@@ -561,7 +574,10 @@ class OnesidedBackend(Backend):
     ) -> tuple[Any, ...]:
         """Two launches (``dp_verify_push``: records into the owners' arenas, one
         signal round; ``dp_verify_finish``: the owners' combine and accept chain), then
-        ``dp_gather_ll`` of the results (and of the logprobs).
+        ``dp_gather_ll`` of the results (and of the logprobs). Small batches
+        (:func:`~ipc_dpsample.backends.verify_plan.verify_broadcast`) broadcast the
+        records instead: every rank's finish combines every request and writes the
+        results in place, and no gather runs (one round between the ranks, not two).
 
         Host parameters (:class:`~ipc_dpsample.layout.VerifyParams`) are copied to the
         device; a batch the kernels cannot decide (top-p or min-p without top-k) takes
@@ -576,6 +592,7 @@ class OnesidedBackend(Backend):
             refusal = kernel_path_refusal(params, tp)
             if refusal is not None:
                 self.last_verify_path = f"swap: {refusal}"
+                self.last_verify_broadcast = False
                 return verify_by_swap(
                     self, x, info, candidates, candidates_info, pad_bs=pad_bs, params=params,
                     return_logprobs=return_logprobs, bs=bs, stream=stream, tp=tp,
@@ -605,44 +622,56 @@ class OnesidedBackend(Backend):
                 "min_p, seed and offset as arrays on this communicator's device"
             )
         capturing = self._begin(handle)
-        push, finish, push_grid = self._verify_plan(pad_bs, params.vocab_limit, cap > 0)
+        n = cfg.num_tokens_per_req
+        region_words = self.layout.verify_region_bytes // 4
+        broadcast = verify_broadcast(
+            rows=pad_bs * n,
+            tp=tp,
+            cap=cap,
+            region_words=region_words,
+            mode=self.tuning.verify_broadcast,
+        )
+        push, finish, push_grid = self._verify_plan(pad_bs, params.vocab_limit, cap > 0, broadcast)
         pred, aidx, alen, lp = self._verify_buffers()[:4]
         if isinstance(params, VerifyParams):
             ptrs = self._host_param_pointers(params, handle)
         else:
             ptrs = params.pointers
-        n = cfg.num_tokens_per_req
         splits = verify_splits(
             rows=pad_bs * n,
             tp=tp,
             vocab_shard=cfg.vocab_size // tp,
             cap=cap,
-            region_words=self.layout.verify_region_bytes // 4,
+            # broadcast: every rank's region holds the records of every row
+            region_words=region_words // tp if broadcast else region_words,
             gpu_sharing=self._gpu_sharing,
         )
-        digest = call_digest(params.vocab_limit, cap, return_logprobs, n, splits)
+        digest = call_digest(params.vocab_limit, cap, return_logprobs, n, splits, broadcast)
         cand = candidates_info.ptr
         values = (info.ptr, cand, *ptrs, cap, int(return_logprobs), digest, bs.ptr, bs.bs, splits)
         units = max(1, bs.bs * n * splits)
         self._issue((push,), handle, values, Op.VERIFY, (push,), min(units, push_grid))
-        r = pad_bs // tp
-        self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(r, bs.bs)))
+        reqs = pad_bs if broadcast else pad_bs // tp
+        self._issue((finish,), handle, values[1:], Op.VERIFY, (finish,), max(1, min(reqs, bs.bs)))
         if not self._graphed:
             self._host_epoch += 1
         self._guard.end(handle, capturing)
         self.last_verify_path = "kernels"
-        linfo = ArrayInfo(info.kind, int(pred.data.ptr), pred.shape, "int32", self.device, True)
-        ptrs3 = (int(pred.data.ptr), int(aidx.data.ptr), int(alen.data.ptr))
-        self._gather(0, ptrs3, linfo, pad_bs, bs, stream)
-        base, lay, n = self.arena.ptr, self.layout, cfg.num_tokens_per_req
+        self.last_verify_broadcast = broadcast
+        base, lay = self.arena.ptr, self.layout
         specs = [
             (base + lay.out_off("predict"), (pad_bs, n), "int32"),
             (base + lay.out_off("accept_index"), (pad_bs, n), "int32"),
             (base + lay.out_off("accept_length"), (pad_bs,), "int32"),
         ]
         if return_logprobs:
-            self._gather(1, (int(lp.data.ptr), 0, 0), linfo, pad_bs, bs, stream)
             specs.append((base + lay.out_off("logprobs"), (pad_bs, n), "float32"))
+        if not broadcast:  # the owners' results to every rank
+            linfo = ArrayInfo(info.kind, int(pred.data.ptr), pred.shape, "int32", self.device, True)
+            ptrs3 = (int(pred.data.ptr), int(aidx.data.ptr), int(alen.data.ptr))
+            self._gather(0, ptrs3, linfo, pad_bs, bs, stream)
+            if return_logprobs:
+                self._gather(1, (int(lp.data.ptr), 0, 0), linfo, pad_bs, bs, stream)
         self._verify_last = True
         key = ("verify", pad_bs, return_logprobs)
         return self._views.get_many(info.kind, key, specs)  # type: ignore[return-value]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ...protocol import Call, Dtype, Op
+from ..verify_plan import BROADCAST_MAX_ROWS
 
 __all__ = [
     "ERROR_BLOCK_SIZE",
@@ -210,9 +211,14 @@ class ArenaOffsets:
 
     @cached_property
     def verify_region_bytes(self) -> int:
-        """One parity's ``verify_batch_vocab`` records: ``u32 [tp][R_max * N][268]``
-        (source-major: rank ``s`` writes its records of this rank's rows at block ``s``)."""
-        return _up(self.tp * self.swap_rows * VERIFY_RECORD_WORDS * 4)
+        """One parity's ``verify_batch_vocab`` records: ``u32 [tp][rows][268]``
+        (source-major: rank ``s`` writes its records at block ``s``), ``rows`` the
+        larger of ``R_max * N`` (the owner's rows) and the rows of a batch whose records
+        are broadcast (``verify_plan.BROADCAST_MAX_ROWS``, at most ``max_pad_bs * N``:
+        every rank holds every row's records)."""
+        bcast_rows = min(BROADCAST_MAX_ROWS, self.max_pad_bs * self.num_tokens_per_req)
+        rows = max(self.swap_rows, bcast_rows)
+        return _up(self.tp * rows * VERIFY_RECORD_WORDS * 4)
 
     @cached_property
     def verify_off(self) -> int:

@@ -282,9 +282,11 @@ def format_verify_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"  swap+sample+gather: the backend's swap_batch_vocab, {FULL_ROW_SAMPLER} over "
         "the rank's full rows, its gather_verify_outputs",
         "  record B: the record each shard sends per row (torch: one all-gather, rows the "
-        "records leave open add 896 B each in a probe round; onesided / nccl: to the row's "
-        "owner, then the results are gathered; '-': the kernels refuse the mix, which "
-        "takes the swap route); swap B: the swap's bytes per row per shard",
+        "records leave open add 896 B each in a probe round; nccl, and onesided above 64 "
+        "rows pad_bs * N: to the row's owner, then the results are gathered; onesided up "
+        "to 64 rows: to every rank, no gather (IPC_DPSAMPLE_VERIFY_BROADCAST); '-': the "
+        "kernels refuse the mix, which takes the swap route); swap B: the swap's bytes "
+        "per row per shard",
         *(f"  {m}: {mix_text(m)}" for m in mixes),
         *(f"  not available: {n}" for n in notes),
     ]
