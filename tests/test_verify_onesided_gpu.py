@@ -33,6 +33,7 @@ from _verify_bodies import (
 )
 
 from ipc_dpsample import DpSampleError
+from ipc_dpsample.backends.verify_plan import BROADCAST_MAX_ROWS
 from ipc_dpsample.layout import reference_verify_batch_vocab
 from ipc_dpsample.testing import run_ranks, run_threads
 
@@ -195,12 +196,15 @@ def _matrix_body(rank: int, tp: int, group: Any, max_pad_bs: int) -> dict[str, i
                     paths[path] = paths.get(path, 0) + 1
                     if path == "kernels" and comm._backend.last_verify_broadcast:
                         paths["broadcast"] = paths.get("broadcast", 0) + 1
+                    if path == "kernels" and case.pad_bs * n <= BROADCAST_MAX_ROWS:
+                        paths["small"] = paths.get("small", 0) + 1
     return paths
 
 
 # IPC_DPSAMPLE_VERIFY_BROADCAST: auto broadcasts the records of the batches up to 64 rows
-# (here the smaller cases, the larger ones go to their owners); on, with an arena sized
-# for tp times the largest case, broadcasts every kernel call; off never does
+# (at tp <= 4 every case here; at tp = 8 the smaller ones, the larger ones go to their
+# owners); on, with an arena sized for tp times the largest case, broadcasts every
+# kernel call; off never does
 @pytest.mark.parametrize(
     ("tp", "broadcast"),
     [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (8, "auto"),
@@ -219,8 +223,9 @@ def test_verify_matches_the_reference_on_rank_threads(
         assert paths.get("broadcast") == paths["kernels"], paths
     elif broadcast == "off" or tp == 1:
         assert "broadcast" not in paths, paths
-    else:  # both routes ran
-        assert 0 < paths.get("broadcast", 0) < paths["kernels"], paths
+    else:  # auto: every batch up to 64 rows, and only those
+        assert paths.get("broadcast") == paths.get("small"), paths
+        assert tp < 8 or paths["small"] < paths["kernels"], paths
 
 
 def _large_body(rank: int, tp: int, group: Any) -> int:
