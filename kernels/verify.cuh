@@ -1051,20 +1051,14 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     }
     cnt += __popc(mask);
   };
-  // whether a queued column (raw logit x, uniform u) may beat the best score: z + g(u)
-  // >= best needs u >= exp(-exp(z - best)) (g increases with u). A fast estimate, from
-  // an upper bound on z (x times 1/T is within 2 ulp of x / T) and with a wide margin,
-  // spares the exact division and noise of the columns that cannot win. Branch-free, so
-  // that both columns of a lane are tested before either takes the exact path; an
-  // older (lower) best only lets more columns through, and `exact` decides.
-  auto may_win = [&](float x, float u) -> bool {
+  // the rest of one queued column's score, its uniform u known
+  auto finish = [&](float x, unsigned id, float u) {
+    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
+    // a wide margin, skips the exact division and noise of the columns that cannot win
     const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
-    const bool reach = dv_fadd(zh, DV_G_BOUND) >= best_score;
-    const bool drawn = !(u < __expf(-__expf(zh - best_score)) * 0.9999f);
-    return reach & drawn;
-  };
-  // the exact score of a column that may win, against the best
-  auto exact = [&](float x, unsigned id, float u) {
+    if (!(dv_fadd(zh, DV_G_BOUND) >= best_score)) return;  // cannot win
+    if (u < __expf(-__expf(zh - best_score)) * 0.9999f) return;
     const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
     if (dv_better(sc, id, best_score, best_id)) {
       best_score = sc;
@@ -1080,13 +1074,9 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     for (; base + 2 * W <= cnt; base += 2 * W) {
       const float xa = qx[base + lane], xc = qx[base + W + lane];
       const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
-      // two independent Philox chains, then both tests, in straight-line code (the
-      // compiler interleaves the chains); the rare exact paths come after
       const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
-      const float ua = dv_uniform(wa), uc = dv_uniform(wc);
-      const bool pa = may_win(xa, ua), pc = may_win(xc, uc);
-      if (pa) exact(xa, ia, ua);
-      if (pc) exact(xc, ic, uc);
+      finish(xa, ia, dv_uniform(wa));
+      finish(xc, ic, dv_uniform(wc));
     }
     // lane l reads and writes only slots l, W + l, base + l, base + W + l: no hazard
     const unsigned rest = cnt - base;
