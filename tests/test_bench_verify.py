@@ -122,17 +122,29 @@ def test_bytes_are_the_records_of_the_mix() -> None:
     assert next(r for r in rows if r["op"] == "read_once")["mix"] is None
 
 
-def test_gpu_backends_count_their_kernels_records() -> None:
+def test_gpu_backends_count_their_kernels_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """onesided / nccl: the records of the rank's own rows from every rank (48 B + 8 B per
     list entry; onesided's device parameters hold 128 entries with top-k) plus the
-    results' gather; a mix the kernels refuse moves the logits (swap + sampler + gather)."""
+    results' gather, except that onesided broadcasts a small batch's records (every real
+    row's from every rank, no gather); a mix the kernels refuse moves the logits (swap +
+    sampler + gather)."""
     n, v = 4, 1000
     gather = 8 * (2 * n + 1) * 4
     for backend, cap in (("onesided", 128), ("nccl", 50)):
         rec = record_bytes("topk50", 8, n, v, backend=backend)
         assert rec == 4 * (12 + 2 * cap)
         got = bench.op_bytes(VERIFY, "float32", 8, 2, n, v, 8, "topk50", backend=backend)
-        assert got == 8 * n * rec + gather
+        # 8 x 4 rows: the one-sided kernels broadcast them (IPC_DPSAMPLE_VERIFY_BROADCAST auto)
+        assert got == (2 * 8 * n * rec if backend == "onesided" else 8 * n * rec + gather)
+        # 64 x 4 rows go to their owners, whatever the arena
+        big = bench.op_bytes(
+            VERIFY, "float32", 64, 2, n, v, 64, "topk50", backend=backend, max_pad_bs=256
+        )
+        assert big == 64 * n * rec + 64 * (2 * n + 1) * 4
+        with monkeypatch.context() as m:
+            m.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", "off")
+            got = bench.op_bytes(VERIFY, "float32", 8, 2, n, v, 8, "topk50", backend=backend)
+            assert got == 8 * n * rec + gather
         assert record_bytes("temperature", 8, n, v, backend=backend) == 48
         assert record_bytes("minp", 8, n, v, backend=backend) == 0
         assert bench.op_bytes(VERIFY, "bfloat16", 8, 2, n, v, 8, "topp0.9", backend=backend) == (

@@ -67,7 +67,7 @@ from .common import (
     spawn,
 )
 from .demo_rank import demo_rank
-from .verify_case import DEMO_MIX, mix_text, record_bytes
+from .verify_case import DEMO_MIX, mix_text, onesided_broadcasts, record_bytes
 
 __all__ = [
     "DESCRIPTION",
@@ -353,7 +353,9 @@ def verify_note(plan: DemoPlan, backend: str = "torch") -> str:
     rec = record_bytes(DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab, backend=backend)
     peers = plan.world - 1
     rows = plan.pad_bs // plan.world if backend in ("onesided", "nccl") else plan.pad_bs
-    if backend == "onesided" and _onesided_broadcasts(plan, rec // 4):
+    if backend == "onesided" and onesided_broadcasts(
+        DEMO_MIX, plan.pad_bs, plan.num_tokens, plan.vocab, plan.world
+    ):
         rows = plan.pad_bs
     moved = peers * rows * plan.num_tokens * rec
     return (
@@ -362,29 +364,6 @@ def verify_note(plan: DemoPlan, backend: str = "torch") -> str:
         f"rank from its {peers} "
         f"peer{'s' if peers != 1 else ''} (swap_batch_vocab: "
         f"{_fmt_bytes(plan.op_bytes('swap_batch_vocab'))})"
-    )
-
-
-def _onesided_broadcasts(plan: DemoPlan, words: int) -> bool:
-    """Whether the one-sided backend broadcasts the records of the plan's batch
-    (records of ``words`` u32), as a communicator of the plan's options decides it."""
-    from .. import envs
-    from ..backends.onesided.contract import ArenaOffsets
-    from ..backends.verify_plan import DV_HDR, verify_broadcast
-
-    arena = ArenaOffsets(
-        tp=plan.world,
-        max_pad_bs=plan.pad_bs,
-        num_tokens_per_req=plan.num_tokens,
-        vocab_size=plan.vocab,
-        itemsize=np.dtype(plan.dtype if plan.dtype != "bfloat16" else "uint16").itemsize,
-    )
-    return verify_broadcast(
-        rows=plan.pad_bs * plan.num_tokens,
-        tp=plan.world,
-        cap=max(0, (words - DV_HDR) // 2),
-        region_words=arena.verify_region_bytes // 4,
-        mode=envs.get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
     )
 
 

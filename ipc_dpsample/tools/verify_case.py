@@ -9,7 +9,9 @@
 * :func:`make_verify_case`: parameters, candidates and the reference's outputs of one
   batch (:class:`VerifyCase`), from every rank's ``local_logits``.
 * :func:`record_bytes`: the record each shard sends per row for a batch of a mix
-  (``docs/verify_contract.md``, "Bytes and rounds").
+  (``docs/verify_contract.md``, "Bytes and rounds"); :func:`onesided_broadcasts`:
+  whether the one-sided backend sends it to every rank (small batches) or to the
+  row's owner.
 
 The data is drawn from a NumPy generator the caller seeds identically on every rank, so
 every rank builds the same case.
@@ -39,6 +41,7 @@ __all__ = [
     "make_verify_case",
     "mix_params",
     "mix_text",
+    "onesided_broadcasts",
     "record_bytes",
 ]
 
@@ -320,3 +323,32 @@ def record_bytes(
             return 4 * kernel_record_words(device_list_cap(params["top_k"] is not None))
         return 4 * kernel_record_words(list_cap(checked))
     return 4 * record_words(*record_caps(checked))
+
+
+def onesided_broadcasts(
+    mix: str, pad_bs: int, num_tokens: int, vocab: int, tp: int, *, max_pad_bs: int | None = None
+) -> bool:
+    """Whether the one-sided backend broadcasts the records of a ``verify_batch_vocab``
+    call on a batch of ``mix`` (every rank combines every request, no gather), as a
+    communicator with ``max_pad_bs`` (default ``pad_bs``) decides it under the current
+    ``IPC_DPSAMPLE_VERIFY_BROADCAST`` (``verify_plan.verify_broadcast``), the parameters
+    on the device as the bench and the demo pass them."""
+    from .. import envs
+    from ..backends.onesided.contract import ArenaOffsets
+    from ..backends.verify_plan import verify_broadcast
+
+    arena = ArenaOffsets(
+        tp=tp,
+        max_pad_bs=max_pad_bs or pad_bs,
+        num_tokens_per_req=num_tokens,
+        vocab_size=vocab,
+        itemsize=4,  # (the verify region does not depend on it)
+    )
+    params = mix_params(mix, pad_bs, np.random.default_rng(0))
+    return verify_broadcast(
+        rows=pad_bs * num_tokens,
+        tp=tp,
+        cap=device_list_cap(params["top_k"] is not None),
+        region_words=arena.verify_region_bytes // 4,
+        mode=envs.get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
+    )

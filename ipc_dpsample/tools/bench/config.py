@@ -15,7 +15,7 @@ from typing import Any
 from ...arrays import ITEMSIZE, LOGITS_DTYPES
 from ...layout import Layout
 from ..common import ARGMAX, OPS, VERIFY, Machine, ranks_share_gpu
-from ..verify_case import DEMO_MIX, VERIFY_MIXES, record_bytes
+from ..verify_case import DEMO_MIX, VERIFY_MIXES, onesided_broadcasts, record_bytes
 
 __all__ = [
     "ARGMAX_BASELINES",
@@ -382,6 +382,7 @@ def op_bytes(
     mix: str = "",
     vocab_limit: int | None = None,
     backend: str = "torch",
+    max_pad_bs: int | None = None,
 ) -> int:
     """Bytes one rank moves in ``op`` with ``bs`` real requests (None: ``pad_bs``),
     what the copy baseline copies. The swap: its input rows of real requests
@@ -393,7 +394,10 @@ def op_bytes(
     verify_case.record_bytes` of ``mix`` (its own included, as for a gather; a probe
     round is not counted) on the torch backend; on ``backend`` onesided / nccl the
     records of its own rows from every rank, ``bs * N * record``, plus the results'
-    gather (``swap_sample_gather``'s bytes when the kernels refuse the mix);
+    gather (``swap_sample_gather``'s bytes when the kernels refuse the mix), except
+    that a one-sided call that broadcasts (a small batch: ``verify_case.
+    onesided_broadcasts`` with the communicator's ``max_pad_bs``) receives every real
+    row's record from every rank, ``tp * bs * N * record``, and gathers nothing;
     ``swap_sample_gather``: the swap's bytes plus the gather's."""
     layout = Layout(tp, pad_bs, num_tokens, vocab)
     reqs = pad_bs if bs is None else min(max(bs, 0), pad_bs)
@@ -405,6 +409,10 @@ def op_bytes(
             return tp * reqs * num_tokens * rec
         if rec == 0:
             return op_bytes("swap_sample_gather", dtype, pad_bs, tp, num_tokens, vocab, bs)
+        if backend == "onesided" and onesided_broadcasts(
+            mix, pad_bs, num_tokens, vocab, tp, max_pad_bs=max_pad_bs
+        ):
+            return tp * reqs * num_tokens * rec
         return reqs * num_tokens * rec + reqs * (2 * num_tokens + 1) * 4
     if op == "swap_sample_gather":
         swap = layout.swap_bytes_per_rank(pad_bs, ITEMSIZE[dtype], reqs)

@@ -109,7 +109,7 @@ def make_rows(
                 )  # fmt: skip
             row["bytes"] = op_bytes(
                 op, dtype, pad_bs, lp.tp, cfg.num_tokens, cfg.vocab, bs, mix, cfg.vocab_limit,
-                backend=impl,
+                backend=impl, max_pad_bs=max(lp.pad_bs),
             )  # fmt: skip
             key = (impl, op, dtype, pad_bs, bs, mode, mix)
             if lp.reason or impl in skip_reason or rank_results is None:
