@@ -39,9 +39,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
+def _install(wheel: Path, target: Path) -> Path:
+    """The wheel installed into ``target`` (an empty folder), as a user's pip would."""
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
          "--target", str(target), str(wheel)],
@@ -49,6 +48,11 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return target
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _install(wheel, tmp_path_factory.mktemp("site"))
 
 
 def _run_installed(
@@ -141,13 +145,7 @@ def test_installed_copy_inside_another_repository_reports_its_own_commit(
         ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
         capture_output=True, text=True, check=True, env=env,
     ).stdout.strip()  # fmt: skip
-    site = repo / ".venv-site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
-         "--target", str(site), str(wheel)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    site = _install(wheel, repo / ".venv-site")
     code = (
         "import ipc_dpsample, ipc_dpsample._version as v\n"
         f"assert ipc_dpsample.__file__.startswith({str(site)!r}), ipc_dpsample.__file__\n"
