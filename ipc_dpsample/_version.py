@@ -4,6 +4,7 @@ any module can read them without importing the package root (which imports
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -63,8 +64,9 @@ def package_commit() -> str | None:
             dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
             return f"{head}-dirty" if dirty else head
         return None
-    try:
-        from ._build_info import COMMIT  # type: ignore[import-not-found]
+    try:  # (a generated module: no static import, it is absent from the source tree)
+        info = importlib.import_module(f"{__package__}._build_info")
     except ImportError:
         return None
-    return str(COMMIT) if COMMIT else None
+    commit = getattr(info, "COMMIT", None)
+    return str(commit) if commit else None
