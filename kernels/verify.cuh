@@ -153,9 +153,6 @@ __device__ __forceinline__ double dv_log(double x) { return log(x); }
 
 __device__ __forceinline__ float dv_neg_inf() { return argmax_u2f(0xFF800000u); }
 __device__ __forceinline__ float dv_nan() { return argmax_u2f(0x7FC00000u); }
-__device__ __forceinline__ bool dv_isfinite_d(double x) {
-  return (dv_d2u(x) & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
-}
 
 // -- the noise: layout.noise_stream_key, philox4x32_10, uniform_from_uint32 -----
 // Philox4x32-10, word 0, counter (c0, c1, 0, 0), key (k0, k1).
