@@ -2,12 +2,13 @@
 toolkit header (argmax.cu, verify.cu): g++ builds them with one ``std::thread`` per CUDA
 thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads`` (and after each
 block, so that ``__shared__`` arrays, plain statics here, are free before the next block
-starts), GCC atomics for ``atomicAdd`` / ``atomicCAS``, the warp intrinsics the kernels use
-(``__syncwarp``, ``__ballot_sync``, ``__shfl_sync``, ``__shfl_xor_sync``: a barrier per warp
-of 32 threads, or of the block's last, partial warp, and an exchange slot per thread; the
-mask argument must name the whole warp, as the kernels' does), and ``-ffp-contract=off`` (the
-device code's ``__*_rn`` intrinsics never contract). :data:`HEADER` goes before the
-kernel source's ``#include``, :data:`LAUNCH` after it; :func:`build` compiles and loads.
+starts), GCC atomics for ``atomicAdd`` / ``atomicCAS`` / ``atomicMax``, the warp
+intrinsics the kernels use (``__syncwarp``, ``__ballot_sync``, ``__shfl_sync``,
+``__shfl_xor_sync``: a barrier per warp of 32 threads, or of the block's last, partial
+warp, and an exchange slot per thread; the mask argument must name the whole warp, as the
+kernels' does), and ``-ffp-contract=off`` (the device code's ``__*_rn`` intrinsics never
+contract). :data:`HEADER` goes before the kernel source's ``#include``, :data:`LAUNCH`
+after it; :func:`build` compiles and loads.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
 inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return expected;
+}
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+  unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v &&
+         !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
 }
 """
 )
