@@ -736,8 +736,11 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
 
+// Temperature rows read once (dv_row_temp's kOnePass) instead of twice (the first pass's
+// maximum, then the scoring pass): IPC_DPSAMPLE_VERIFY_ONE_PASS. Off by default until the
+// GPU measures it (the records are the same either way).
 #ifndef DV_TEMP_ONE_PASS
-#define DV_TEMP_ONE_PASS 1  // temperature rows: one read of the row (dv_row_temp, kOnePass)
+#define DV_TEMP_ONE_PASS 0
 #endif
 
 #ifndef DV_MAX_UNROLL
