@@ -1254,12 +1254,13 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   const bool one_pass = DV_TEMP_ONE_PASS && mode == DV_TEMP;
-  bool saw_nan;
-  if (one_pass)
-    dv_row_temp<Tag, true>(row, ncols, col0, p, d, 0.0f, 0.0f, DV_NO_ID, best_score, best_id,
-                           best_val, rs, q, m, mc, saw_nan);
-  else
-    saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
+  bool saw_nan = false;
+  if constexpr (DV_TEMP_ONE_PASS != 0) {  // (else not instantiated: the two-pass kernel)
+    if (one_pass)
+      dv_row_temp<Tag, true>(row, ncols, col0, p, d, 0.0f, 0.0f, DV_NO_ID, best_score, best_id,
+                             best_val, rs, q, m, mc, saw_nan);
+  }
+  if (!one_pass) saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   if (has_nan) {

@@ -73,6 +73,24 @@ inline unsigned __ballot_sync(unsigned, bool p) {
 }
 """
 
+#: The atomics the kernels use, on unsigned words: GCC ``__atomic`` builtins.
+ATOMICS = r"""
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+  unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v &&
+         !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+"""
+
 HEADER = (
     r"""
 #include <atomic>
@@ -98,22 +116,7 @@ inline void __syncthreads() { g_barrier->arrive_and_wait(); }
 #define __expf(x) std::exp(static_cast<float>(x))
 """
     + WARPS
-    + r"""
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
-inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-  return expected;
-}
-inline unsigned atomicMax(unsigned* p, unsigned v) {
-  unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-  while (old < v &&
-         !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-  }
-  return old;
-}
-"""
+    + ATOMICS
 )
 
 LAUNCH = r"""

@@ -3,9 +3,10 @@
 ``kernels/nccl.cu``, ``kernels/argmax.cu`` and ``kernels/verify.cu`` include no toolkit
 header, so g++ builds them with a few definitions: one ``std::thread`` per CUDA thread,
 ``std::barrier`` for ``__syncthreads``, the warp intrinsics of
-``tests/_cuda_emulation.WARPS``, GCC ``__atomic`` builtins for ``atomicAdd`` /
-``atomicCAS``, blocks in turn, one kernel at a time, and ``-ffp-contract=off`` (the
-verify kernels' float decisions are IEEE basic operations without contraction).
+``tests/_cuda_emulation.WARPS``, its GCC ``__atomic`` builtins for ``atomicAdd`` /
+``atomicCAS`` / ``atomicMax`` (``ATOMICS``), blocks in turn, one kernel at a time, and
+``-ffp-contract=off`` (the verify kernels' float decisions are IEEE basic operations
+without contraction).
 :func:`launch_params` is the emulated ``cuLaunchKernel``: it takes the kernel's name
 and the same ``void**`` parameter block (every argument 8 bytes) that
 :class:`ipc_dpsample.backends.common.PreparedLaunch` hands the driver, so the host
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cuda_emulation import WARPS
+from _cuda_emulation import ATOMICS, WARPS
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -57,13 +58,9 @@ inline void __syncthreads() { g_barrier->arrive_and_wait(); }
     + r"""
 inline void __threadfence_system() {}
 inline void __threadfence() {}
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
-inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-  return expected;
-}
+"""
+    + ATOMICS
+    + r"""
 #define DP_ARGMAX_CPU_EMULATION 1
 #define __shared__ static
 #define __expf(x) std::exp(static_cast<float>(x))
