@@ -194,14 +194,6 @@ REGISTRY: dict[str, EnvVar] = {
             "first pass over a row",
         ),
         EnvVar(
-            "IPC_DPSAMPLE_VERIFY_ONE_PASS",
-            _flag,
-            False,
-            "tuning (compile time): `1` reads a temperature row once in the record kernel "
-            "(its maximum and its scores together, the noise bound rising as it goes) instead "
-            "of twice; the same results either way",
-        ),
-        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -275,7 +267,6 @@ class OnesidedTuning:
     verify_broadcast: str = "auto"  # verify_plan.verify_broadcast's mode
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
-    verify_one_pass: bool = False
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -288,7 +279,6 @@ class OnesidedTuning:
             f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
-            f"-DDV_TEMP_ONE_PASS={int(self.verify_one_pass)}",
         )
 
 
@@ -309,5 +299,4 @@ def onesided_tuning() -> OnesidedTuning:
         verify_broadcast=get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
-        verify_one_pass=get("IPC_DPSAMPLE_VERIFY_ONE_PASS"),
     )

@@ -489,7 +489,6 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 struct DvRowShared {
   DvShared red;
   float bound;
-  unsigned best_ord;  // the one-pass temperature path: dv_ord of the best score so far
 };
 
 // Each warp's queue of the columns that pass the temperature path's bound
@@ -735,13 +734,6 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
   const unsigned tail = head + nvec * E;
   for (unsigned c = tail + t; c < ncols; c += B) f(argmax_load1<Tag>(row + c), c);
 }
-
-// Temperature rows read once (dv_row_temp's kOnePass) instead of twice (the first pass's
-// maximum, then the scoring pass): IPC_DPSAMPLE_VERIFY_ONE_PASS. Off by default until the
-// GPU measures it (the records are the same either way).
-#ifndef DV_TEMP_ONE_PASS
-#define DV_TEMP_ONE_PASS 0
-#endif
 
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
@@ -1005,32 +997,6 @@ __device__ float dv_raw_bound(float s, float T, float m) {
   return dv_unord(hi);
 }
 
-// A raw logit below which no column reaches score s (float32(x / T) + noise < s for
-// every x below it): dv_raw_bound's answer lowered by a margin far above the roundings
-// of x / T, of the sum and of this arithmetic, with no search. -inf (every column) when
-// s is not finite. The one-pass temperature path recomputes it whenever the row's best
-// score so far rises.
-__device__ __forceinline__ float dv_raw_bound_fast(float s, float T) {
-  if (!argmax_isfinite(s)) return dv_neg_inf();
-  const double a = dv_dadd((double)s, -(double)DV_G_BOUND);
-  const double as = a < 0.0 ? -a : a, ss = s < 0.0f ? -(double)s : (double)s;
-  const double slack = dv_dmul(dv_dadd(dv_dadd(as, ss), 1.0), 9.5367431640625e-07);  // 2**-20
-  double x = dv_dmul(dv_dadd(a, -slack), (double)T);
-  const double ax = x < 0.0 ? -x : x;
-  x = dv_dadd(x, -dv_dadd(dv_dmul(ax, 9.5367431640625e-07), 1e-30));
-  if (x < -3.4028234663852886e38) return dv_neg_inf();
-  return (float)x;
-}
-
-// A shared word another warp may be raising (no barrier in between).
-__device__ __forceinline__ unsigned dv_shared_peek(const unsigned* p) {
-#ifdef DP_ARGMAX_CPU_EMULATION
-  return __atomic_load_n(p, __ATOMIC_RELAXED);
-#else
-  return *(const volatile unsigned*)p;
-#endif
-}
-
 // The best (score desc, id asc) column of a TEMP row of one shard: m (its column
 // max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
 // column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
@@ -1043,22 +1009,11 @@ __device__ __forceinline__ unsigned dv_shared_peek(const unsigned* p) {
 // double-precision noise of the columns that cannot beat the lane's best. The scoring
 // code sits at three places only (head, vectors, tail), not once per unrolled column:
 // the kernel's instructions stay within the instruction caches.
-//
-// kOnePass: the row is read once, without the first pass's maximum (m, my_m and my_id
-// are ignored). The bound starts at -inf (the first vectors' columns are all scored) and
-// rises with the best score found so far, which each lane publishes to the block
-// (sh.best_ord, a shared atomicMax) and every lane reads back after each drain; the
-// bound is dv_raw_bound_fast's, a little lower than dv_raw_bound's, so no column that
-// can win is skipped and the result is the same column. The same read yields this
-// thread's first maximum (tm, tmc: its column, DV_NO_ID when none is above -inf) and
-// whether one of its columns is NaN (tnan), as dv_row_max gives them; the caller
-// discards the best when the row has a NaN.
-template <typename Tag, bool kOnePass>
+template <typename Tag>
 __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                             const DvParams& p, unsigned d, float m, float my_m, unsigned my_id,
                             float& best_score, unsigned& best_id, float& best_val,
-                            DvRowShared& sh, DvQueue& q, float& tm, unsigned& tmc,
-                            bool& tnan) {
+                            DvRowShared& sh, DvQueue& q) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
@@ -1068,53 +1023,17 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   best_score = dv_neg_inf();
   best_id = DV_NO_ID;
   best_val = dv_neg_inf();
-  float xb = dv_neg_inf();
-  if constexpr (kOnePass) {
-    tm = dv_neg_inf();
-    tmc = DV_NO_ID;
-    tnan = false;
-    if (t == 0) sh.best_ord = 0u;  // below dv_ord of any score
-    __syncthreads();
-  } else {
-    if (my_id != DV_NO_ID) {
-      best_score = dv_fadd(dv_fdiv(my_m, T), dv_noise(key, my_id));
-      best_id = my_id;
-      best_val = my_m;
-    }
-    dv_block_best(sh.red, best_score, best_id, best_val);
-    if (t == 0) sh.bound = dv_raw_bound(best_score, T, m);  // m's score is at most this
-    __syncthreads();
-    xb = sh.bound;
+  if (my_id != DV_NO_ID) {
+    best_score = dv_fadd(dv_fdiv(my_m, T), dv_noise(key, my_id));
+    best_id = my_id;
+    best_val = my_m;
   }
-  // a column that never beats the best (queue padding): the first best's, or none
-  const float first_val = best_val;
+  dv_block_best(sh.red, best_score, best_id, best_val);
+  if (t == 0) sh.bound = dv_raw_bound(best_score, T, m);  // m's score is at most this
+  __syncthreads();
+  const float xb = sh.bound;
+  const float first_val = best_val;  // a column that never beats the best (queue padding)
   const unsigned first_id = best_id;
-  unsigned seen_ord = 0u;           // kOnePass: the shared best this lane's bound is from
-  float published = dv_neg_inf();  // kOnePass: the best score this lane has published
-  // kOnePass: this thread's first maximum and NaN, column c (value x) in increasing order
-  auto track = [&](float x, unsigned c) {
-    if constexpr (kOnePass) {
-      tnan |= x != x;
-      if (x > tm) {
-        tm = x;
-        tmc = c;
-      }
-    }
-  };
-  // kOnePass: publish this lane's best, lower the bound to the block's best so far
-  auto refresh = [&]() {
-    if constexpr (kOnePass) {
-      if (best_score > published) {
-        published = best_score;
-        atomicMax(&sh.best_ord, dv_ord(best_score));
-      }
-      const unsigned o = dv_shared_peek(&sh.best_ord);
-      if (o != seen_ord) {
-        seen_ord = o;
-        xb = dv_raw_bound_fast(dv_unord(o), T);
-      }
-    }
-  };
   float* qx = q.x[t >> 5];
   unsigned* qid = q.id[t >> 5];
   unsigned cnt = 0;  // the warp's queue length (the same on every lane)
@@ -1174,12 +1093,9 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   if (head > ncols) head = ncols;
   for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns: no drain needed
     const unsigned c = c0 + t;
-    const float x = c < head ? argmax_load1<Tag>(row + c) : 0.0f;
-    if (c < head) track(x, c);
-    push(x, c, c < head);
+    push(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
   }
   drain();
-  refresh();
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   ArgmaxVec16 cur;
@@ -1192,22 +1108,15 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     if (v + B < nvec) nxt = argmax_load16(vp + v + B);
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
-    if (v < nvec) {
-#pragma unroll
-      for (unsigned j = 0; j < E; ++j) track(xs[j], head + v * E + j);
-    }
 #pragma unroll
     for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, v < nvec);
     drain();
-    refresh();
     cur = nxt;
   }
   const unsigned tail = head + nvec * E;
   for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
     const unsigned c = c0 + t;
-    const float x = c < ncols ? argmax_load1<Tag>(row + c) : 0.0f;
-    if (c < ncols) track(x, c);
-    push(x, c, c < ncols);
+    push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
   }
   drain();
   // the leftovers (fewer than two warps' worth): pad the queue with the first best's
@@ -1246,29 +1155,16 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   }
   if (kList && t == 0) ls->k.n_cand = 0;  // (the barriers below publish it)
   // pass 1: first maximum; a row with a NaN is read again, every value handled, for its
-  // first NaN (and its maximum, as torch.argmax has it). A temperature row's pass 1 is
-  // its scoring pass too (DV_TEMP_ONE_PASS): one read of the row instead of two.
+  // first NaN (and its maximum, as torch.argmax has it)
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
   unsigned mc;
-  float best_score = dv_neg_inf(), best_val = dv_neg_inf();
-  unsigned best_id = DV_NO_ID;
-  const bool one_pass = DV_TEMP_ONE_PASS && mode == DV_TEMP;
-  bool saw_nan = false;
-  if constexpr (DV_TEMP_ONE_PASS != 0) {  // (else not instantiated: the two-pass kernel)
-    if (one_pass)
-      dv_row_temp<Tag, true>(row, ncols, col0, p, d, 0.0f, 0.0f, DV_NO_ID, best_score, best_id,
-                             best_val, rs, q, m, mc, saw_nan);
-  }
-  if (!one_pass) saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
+  const bool saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   if (has_nan) {
     m = dv_neg_inf();
     max_id = DV_NO_ID;
-    best_score = dv_neg_inf();  // (the one pass's best: a row with a NaN has none)
-    best_id = DV_NO_ID;
-    best_val = dv_neg_inf();
     dv_row_each<Tag>(row, ncols, [&](float x, unsigned c) {
       if (argmax_isnan(x)) {
         if (nan_id == DV_NO_ID) nan_id = col0 + c;
@@ -1302,14 +1198,11 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     });
     se = dv_block_sum(rs.red, se);
   }
+  float best_score = dv_neg_inf(), best_val = dv_neg_inf();
+  unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
-    if (!one_pass) {
-      float tm;
-      unsigned tmc;
-      bool tnan;
-      dv_row_temp<Tag, false>(row, ncols, col0, p, d, m, my_m, my_id, best_score, best_id,
-                              best_val, rs, q, tm, tmc, tnan);
-    }
+    dv_row_temp<Tag>(row, ncols, col0, p, d, m, my_m, my_id, best_score, best_id, best_val, rs,
+                     q);
   } else if constexpr (kList) {
     if (list_len > 0) {  // the first list_len columns in key order: a radix select
       const unsigned n = ls->k.n_cand;

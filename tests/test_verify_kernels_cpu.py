@@ -96,10 +96,7 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: the tests' wide shards overflow only when the threshold is loose (partial warps, small
 #: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
 #: twice more would slow CI). The two small ones also build the first pass with one and
-#: with four vectors per round (``DV_MAX_UNROLL``; the default is two), and temperature rows
-#: with two reads of the row (the first pass's maximum, then the scoring pass: the kernels'
-#: default) where the first reads them once (``DV_TEMP_ONE_PASS=1``,
-#: ``IPC_DPSAMPLE_VERIFY_ONE_PASS``).
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
 CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 
@@ -108,11 +105,7 @@ WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cap = CAND_CAPS[request.param]
     unroll = 4 if cap is not None and cap < 64 else 1
-    flags = (
-        ("-DDV_TEMP_ONE_PASS=1",)
-        if cap is None
-        else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
-    )
+    flags = () if cap is None else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
