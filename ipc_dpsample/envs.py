@@ -74,6 +74,19 @@ def _verify_block(raw: str) -> int:
     return int(value)
 
 
+def _verify_splits(raw: str) -> int:
+    value = raw.strip().lower()
+    if value == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ValueError(f"{value!r}; expected 'auto' or an integer from 1 to 64")
+    return n
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -170,6 +183,16 @@ REGISTRY: dict[str, EnvVar] = {
             "fit in one wave of such CTAs, else 128), `128` or `256`",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_SPLITS",
+            _verify_splits,
+            0,
+            "tuning: column blocks per row of the one-sided `verify_batch_vocab` record "
+            "kernel (one CTA and one record each): `auto` (a small batch's rows split until "
+            "the GPU has about 256 blocks of at least 2048 columns) or 1 to 64 (capped by "
+            "the records the owners hold); every rank must set the same (ranks that differ "
+            "raise)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_VERIFY_BROADCAST",
             _choice("auto", "on", "off"),
             "auto",
@@ -264,6 +287,7 @@ class OnesidedTuning:
     argmax_unroll: int = 2
     cta_fence: str = "gpu"
     verify_block: int = 0  # 0: auto (verify_plan.verify_block)
+    verify_splits: int = 0  # 0: auto (verify_plan.verify_splits)
     verify_broadcast: str = "auto"  # verify_plan.verify_broadcast's mode
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
@@ -296,6 +320,7 @@ def onesided_tuning() -> OnesidedTuning:
         argmax_unroll=get("IPC_DPSAMPLE_ARGMAX_UNROLL"),
         cta_fence=get("IPC_DPSAMPLE_SWAP_CTA_FENCE"),
         verify_block=get("IPC_DPSAMPLE_VERIFY_BLOCK"),
+        verify_splits=get("IPC_DPSAMPLE_VERIFY_SPLITS"),
         verify_broadcast=get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),

@@ -84,6 +84,15 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     assert envs.onesided_tuning().verify_block == 0  # verify_plan.verify_block decides
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_BLOCK")
     assert envs.onesided_tuning().verify_block == 0
+    assert envs.onesided_tuning().verify_splits == 0  # verify_plan.verify_splits decides
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_SPLITS", " 3 ")
+    assert envs.onesided_tuning().verify_splits == 3
+    for bad in ("0", "65", "two", "1.5"):
+        monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_SPLITS", bad)
+        with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_SPLITS=.*'auto' or an integer"):
+            envs.onesided_tuning()
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_SPLITS", "AUTO")
+    assert envs.onesided_tuning().verify_splits == 0
     assert envs.onesided_tuning().verify_broadcast == "auto"
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BROADCAST", "OFF")
     assert envs.onesided_tuning().verify_broadcast == "off"

@@ -636,6 +636,13 @@ def test_verify_splits_stay_within_what_the_owners_hold() -> None:
                     assert s == 1 or s * rows * record_words(cap) <= words
                     assert s == 1 or shard // s >= SPLIT_MIN_COLUMNS
                     assert s == 1 or rows * s <= SPLIT_TARGET_UNITS
+    # IPC_DPSAMPLE_VERIFY_SPLITS (want=) sets the count, within the same hard limits
+    kw = dict(rows=32, tp=8, vocab_shard=shard, cap=0, region_words=region, gpu_sharing=8)
+    assert verify_splits(**kw, want=3) == 3
+    assert verify_splits(**kw, want=64) == DV_MAX_SOURCES // 8
+    assert verify_splits(**{**kw, "cap": 50}, want=3) == 2  # 8 * 2 * 50 <= DV_MERGE_MAX
+    assert verify_splits(**{**kw, "vocab_shard": 2}, want=3) == 2  # a column per block
+    assert verify_splits(**{**kw, "region_words": 32 * record_words(0) * 2}, want=5) == 2
     # ranks that split differently never combine silently: the digest says
     assert call_digest(1000, 0, False, 4, 1) == call_digest(1000, 0, False, 4)
     assert call_digest(1000, 0, False, 4, 2) != call_digest(1000, 0, False, 4)

@@ -226,7 +226,14 @@ def verify_block(*, rows: int, gpu_sharing: int, resident_ctas: int) -> int:
 
 
 def verify_splits(
-    *, rows: int, tp: int, vocab_shard: int, cap: int, region_words: int, gpu_sharing: int = 1
+    *,
+    rows: int,
+    tp: int,
+    vocab_shard: int,
+    cap: int,
+    region_words: int,
+    gpu_sharing: int = 1,
+    want: int = 0,
 ) -> int:
     """Column blocks per row of the one-sided record kernel (``dp_verify_push``): each
     block is one CTA's work and one record, and the owners combine ``tp * splits``
@@ -251,14 +258,21 @@ def verify_splits(
         u32 words of one parity's verify region.
     gpu_sharing : int
         The most ranks of the group on one GPU (ranks sharing a GPU share its SMs).
+    want : int
+        0: the rule above. Else this many (``IPC_DPSAMPLE_VERIFY_SPLITS``, a tuning
+        knob), within what the owners hold and at most one block per column.
 
     Returns
     -------
     int
         Column blocks per row, at least 1.
     """
-    s = max(1, SPLIT_TARGET_UNITS // max(1, gpu_sharing) // max(1, rows))
-    s = min(s, max(1, vocab_shard // SPLIT_MIN_COLUMNS), max(1, DV_MAX_SOURCES // tp))
+    if want > 0:
+        s = min(want, max(1, vocab_shard))
+    else:
+        s = max(1, SPLIT_TARGET_UNITS // max(1, gpu_sharing) // max(1, rows))
+        s = min(s, max(1, vocab_shard // SPLIT_MIN_COLUMNS))
+    s = min(s, max(1, DV_MAX_SOURCES // tp))
     if cap:
         s = min(s, max(1, DV_MERGE_MAX // (tp * cap)))
     s = min(s, max(1, region_words // (max(1, rows) * record_words(cap))))

@@ -645,6 +645,7 @@ class OnesidedBackend(Backend):
             # broadcast: every rank's region holds the records of every row
             region_words=region_words // tp if broadcast else region_words,
             gpu_sharing=self._gpu_sharing,
+            want=self.tuning.verify_splits,
         )
         digest = call_digest(params.vocab_limit, cap, return_logprobs, n, splits, broadcast)
         cand = candidates_info.ptr
