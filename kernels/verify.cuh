@@ -738,6 +738,9 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
 #endif
+#ifndef DV_TEMP_PREFETCH
+#define DV_TEMP_PREFETCH 1  // 16-byte loads ahead of the one scored in a temperature row's pass
+#endif
 
 // This thread's first maximum over its columns of `row` (m; mc its column, DV_NO_ID when
 // none is above -inf) and whether one of its columns is NaN (then m and mc are not
@@ -1098,20 +1101,28 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   drain();
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  ArgmaxVec16 cur;
-  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-  if (t < nvec) cur = argmax_load16(vp + t);
+  // the next DV_TEMP_PREFETCH vectors' loads in flight while one is scored (a ring in
+  // registers, shifted by compile-time indices)
+  constexpr unsigned P = DV_TEMP_PREFETCH;
+  ArgmaxVec16 ring[P];
+#pragma unroll
+  for (unsigned i = 0; i < P; ++i) {
+    ring[i].w[0] = ring[i].w[1] = ring[i].w[2] = ring[i].w[3] = 0u;
+    if (t + i * B < nvec) ring[i] = argmax_load16(vp + t + i * B);
+  }
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
-    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
+    ArgmaxVec16 nxt;
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
+    if (v + P * B < nvec) nxt = argmax_load16(vp + v + P * B);
     float xs[E];
-    ArgmaxUnpack<Tag>::run(cur, xs);
+    ArgmaxUnpack<Tag>::run(ring[0], xs);
 #pragma unroll
     for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, v < nvec);
     drain();
-    cur = nxt;
+#pragma unroll
+    for (unsigned i = 0; i + 1 < P; ++i) ring[i] = ring[i + 1];
+    ring[P - 1] = nxt;
   }
   const unsigned tail = head + nvec * E;
   for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
