@@ -1248,6 +1248,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
 // The merge holds every source's list in shared memory: tp * kcap <= DV_MERGE_MAX
 // entries, and a request has at most DV_MAX_N rows (the host checks both).
 #define DV_MERGE_MAX (8 * DV_TOPK_MAX)
+#define DV_MERGE_ILP 8  // other sources' lists one merge entry searches at once
 #define DV_MAX_N 64
 #define DV_HDR_WORDS 2048  // staged record headers: at least 2 rows of DV_MAX_TP sources
 struct DvCombineShared {
@@ -1408,22 +1409,39 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       }
       __syncthreads();
       const unsigned k = (unsigned)p.top_k < total ? (unsigned)p.top_k : total;
+      unsigned top_step = 1;  // the largest power of 2 <= the longest list (kcap)
+      while (top_step * 2u <= kcap) top_step *= 2u;
       for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
         unsigned s = 0;
         while (sh.off[s + 1] <= e) ++s;
         const unsigned ke = sh.key[e], ie = sh.mid[e];
         unsigned rank = e - sh.off[s];
-        for (unsigned o = 0; o < tp; ++o) {
-          if (o == s) continue;
-          unsigned a = sh.off[o], b = sh.off[o + 1];  // entries of o before e: a prefix
-          while (a < b) {
-            const unsigned mid = (a + b) / 2;
-            if (sh.key[mid] > ke || (sh.key[mid] == ke && sh.mid[mid] < ie))
-              a = mid + 1;
-            else
-              b = mid;
+        // the entries of every other source before e (key desc, id asc): a prefix of its
+        // list, counted by a branchless search of fixed steps, DV_MERGE_ILP sources at
+        // once (independent chains of shared loads instead of one search after another)
+        for (unsigned o0 = 0; o0 < tp; o0 += DV_MERGE_ILP) {
+          unsigned base[DV_MERGE_ILP], len[DV_MERGE_ILP], cnt[DV_MERGE_ILP];
+#pragma unroll
+          for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
+            const unsigned o = o0 + q;
+            const bool other = o < tp && o != s;
+            base[q] = other ? sh.off[o] : 0u;
+            len[q] = other ? sh.off[o + 1] - sh.off[o] : 0u;
+            cnt[q] = 0u;
           }
-          rank += a - sh.off[o];
+          for (unsigned step = top_step; step > 0; step >>= 1) {
+#pragma unroll
+            for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
+              const unsigned j = cnt[q] + step;  // is entry j - 1 of the list before e?
+              if (j <= len[q]) {
+                const unsigned at = base[q] + j - 1u;
+                const unsigned ka = sh.key[at];
+                if (ka > ke || (ka == ke && sh.mid[at] < ie)) cnt[q] = j;
+              }
+            }
+          }
+#pragma unroll
+          for (unsigned q = 0; q < DV_MERGE_ILP; ++q) rank += cnt[q];
         }
         if (rank < k) {
           sh.m_val[rank] = sh.mval[e];
