@@ -217,13 +217,6 @@ REGISTRY: dict[str, EnvVar] = {
             "first pass over a row",
         ),
         EnvVar(
-            "IPC_DPSAMPLE_VERIFY_PREFETCH",
-            _one_of_ints(1, 2, 3),
-            1,
-            "tuning (compile time): 16-byte loads each thread keeps in flight ahead of the "
-            "vector it scores in the record kernel's pass over a temperature row",
-        ),
-        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -298,7 +291,6 @@ class OnesidedTuning:
     verify_broadcast: str = "auto"  # verify_plan.verify_broadcast's mode
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
-    verify_prefetch: int = 1
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -311,7 +303,6 @@ class OnesidedTuning:
             f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
-            f"-DDV_TEMP_PREFETCH={self.verify_prefetch}",
         )
 
 
@@ -333,5 +324,4 @@ def onesided_tuning() -> OnesidedTuning:
         verify_broadcast=get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
-        verify_prefetch=get("IPC_DPSAMPLE_VERIFY_PREFETCH"),
     )

@@ -74,7 +74,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_LIST_MIN_CTAS=4",
         "-DDV_NOLIST_MIN_CTAS=4",
         "-DDV_MAX_UNROLL=1",
-        "-DDV_TEMP_PREFETCH=1",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
     assert "-DDP_SWAP_CTA_RELEASE_GPU=1" in envs.onesided_tuning().compile_options

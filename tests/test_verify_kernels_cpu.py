@@ -96,8 +96,7 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: the tests' wide shards overflow only when the threshold is loose (partial warps, small
 #: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
 #: twice more would slow CI). The two small ones also build the first pass with one and
-#: with four vectors per round (``DV_MAX_UNROLL``; the default is two), and a temperature
-#: row's pass with two and three loads ahead (``DV_TEMP_PREFETCH``; the default is one).
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
 CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 
@@ -107,8 +106,6 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     cap = CAND_CAPS[request.param]
     unroll = 4 if cap is not None and cap < 64 else 1
     flags = () if cap is None else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
-    if cap is not None:  # the temperature pass's loads ahead: 1 by default, 2 and 3 here
-        flags += (f"-DDV_TEMP_PREFETCH={2 if unroll == 4 else 3}",)
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
