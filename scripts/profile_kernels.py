@@ -28,10 +28,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+__all__ = ["main", "table"]
+
 
 def _percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def table(times: dict[str, list[float]]) -> str:
+    """One line per kernel (the most total time first): calls, the median, p10 and p90 of
+    one call's duration in microseconds, and the total in milliseconds."""
+    lines = [f"{'kernel':<44} {'calls':>6} {'median us':>10} {'p10':>9} {'p90':>9} {'total ms':>9}"]
+    for name, xs in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(
+            f"{name[:44]:<44} {len(xs):>6} {statistics.median(xs):>10.2f} "
+            f"{_percentile(xs, 0.1):>9.2f} {_percentile(xs, 0.9):>9.2f} {sum(xs) / 1e3:>9.2f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if ev.device_type != DeviceType.CUDA or not pattern.search(ev.name):
             continue
         times[ev.name].append(float(ev.time_range.elapsed_us()))
-    print(f"\n{'kernel':<44} {'calls':>6} {'median us':>10} {'p10':>9} {'p90':>9} {'total ms':>9}")
-    for name, xs in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        print(
-            f"{name[:44]:<44} {len(xs):>6} {statistics.median(xs):>10.2f} "
-            f"{_percentile(xs, 0.1):>9.2f} {_percentile(xs, 0.9):>9.2f} {sum(xs) / 1e3:>9.2f}"
-        )
+    print(table(times))
     if not times:  # this torch files kernels elsewhere: its own table
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=40))
     return rc
