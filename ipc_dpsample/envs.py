@@ -189,8 +189,8 @@ REGISTRY: dict[str, EnvVar] = {
             "tuning: column blocks per row of the one-sided `verify_batch_vocab` record "
             "kernel (one CTA and one record each): `auto` (a small batch's rows split until "
             "the GPU has about 256 blocks of at least 2048 columns) or 1 to 64 (capped by "
-            "the records the owners hold); every rank must set the same (ranks that differ "
-            "raise)",
+            "the records the owners hold); every rank must set the same (the call digest "
+            "carries it)",
         ),
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_BROADCAST",
