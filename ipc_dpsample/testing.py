@@ -171,6 +171,11 @@ def _child(
         import torch.distributed as dist
 
         init_distributed(env.get("IPC_DPSAMPLE_TEST_PG_BACKEND") or None, timeout_s=120)
+        # every rank has its group before any body runs: rank 0's process serves the
+        # store, and a body that ends its process (a harness test's victim) must not take
+        # the store away from a peer still connecting (seen in CI under load: the peer
+        # raised "Connection reset by peer" in gloo's connectFullMesh)
+        dist.barrier()
         try:
             result = body(rank, world_size, None, *args)
         finally:
