@@ -75,16 +75,12 @@ def _verify_block(raw: str) -> int:
 
 
 def _verify_splits(raw: str) -> int:
-    value = raw.strip().lower()
-    if value == "auto":
+    if raw.strip().lower() == "auto":
         return 0
     try:
-        n = int(value)
+        return _int_in(1, 64)(raw)
     except ValueError:
-        n = 0
-    if not 1 <= n <= 64:
-        raise ValueError(f"{value!r}; expected 'auto' or an integer from 1 to 64")
-    return n
+        raise ValueError(f"{raw.strip()!r}; expected 'auto' or an integer from 1 to 64") from None
 
 
 def _text(raw: str) -> str:
