@@ -1237,23 +1237,31 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
 // The merge holds every source's list in shared memory: tp * kcap <= DV_MERGE_MAX
 // entries, and a request has at most DV_MAX_N rows (the host checks both).
 #define DV_MERGE_MAX (8 * DV_TOPK_MAX)
+#define DV_MERGE_ILP 8  // other sources' lists one merge entry searches at once
+#define DV_TK_SLOTS 4   // top-k rows a request's combine merges at once ...
+#define DV_TK_POOL 1600  // ... while their lists fit this many entries (one always does)
 #define DV_MAX_N 64
 #define DV_HDR_WORDS 2048  // staged record headers: at least 2 rows of DV_MAX_TP sources
 struct DvCombineShared {
   unsigned hdr[DV_HDR_WORDS];  // the next rows' record headers (row, then source)
-  unsigned key[DV_MERGE_MAX];  // every source's list, source after source
-  unsigned mid[DV_MERGE_MAX];
-  float mval[DV_MERGE_MAX];
-  unsigned len[DV_MAX_TP];
-  unsigned off[DV_MAX_TP + 1];
-  float m_val[DV_TOPK_MAX];  // the merged first k: raw logits, ids, z, scores, masses
-  unsigned m_id[DV_TOPK_MAX];
-  float m_z[DV_TOPK_MAX];
-  float m_score[DV_TOPK_MAX];
-  double m_grp[DV_TOPK_MAX];
-  dv_i64 m_a[DV_TOPK_MAX];
-  dv_i64 m_before[DV_TOPK_MAX];  // top-p: the fixed-point mass before each entry
-  dv_i64 mass_total;             // top-p: W, the first k's
+  // the top-k merge of up to DV_TK_SLOTS rows at once: every source's list of each slot's
+  // row, slot after slot, source after source, in one pool
+  unsigned mid[DV_TK_POOL];
+  float mval[DV_TK_POOL];
+  unsigned off[DV_TK_SLOTS][DV_MAX_TP + 1];  // slot g's source s: pool entries off[g][s]..
+  unsigned slot_base[DV_TK_SLOTS + 1];       // slot g's entries: slot_base[g]..[g + 1]
+  unsigned slot_rr[DV_TK_SLOTS];             // its row (of the staged headers)
+  unsigned n_slots, rr_next;
+  dv_u64 slot_key[DV_TK_SLOTS];
+  float m_val[DV_TK_SLOTS][DV_TOPK_MAX];  // each slot's merged first k: raw logits, ids,
+  unsigned m_id[DV_TK_SLOTS][DV_TOPK_MAX];  // z, scores, masses
+  float m_z[DV_TK_SLOTS][DV_TOPK_MAX];
+  float m_score[DV_TK_SLOTS][DV_TOPK_MAX];
+  double m_grp[DV_TK_SLOTS][DV_TOPK_MAX];
+  dv_i64 m_a[DV_TK_SLOTS][DV_TOPK_MAX];
+  dv_i64 m_before[DV_TK_SLOTS][DV_TOPK_MAX];  // top-p: the fixed-point mass before each entry
+  dv_i64 mass_total[DV_TK_SLOTS];             // top-p: W, the first k's
+  unsigned row_total[DV_MAX_N];  // the entries of the row's lists (the top-k merge's rows)
   DvShared red;
   int tok[DV_MAX_N];
   float tok_val[DV_MAX_N];
@@ -1262,7 +1270,6 @@ struct DvCombineShared {
   unsigned row_flags[DV_MAX_N];  // bit 0: a NaN; bit 1: the owners' top-k merge decides
   unsigned row_bad[DV_MAX_N];    // the row's first source with other parameters (or none)
   double lp_term[DV_WARPS][DV_MAX_TP];  // each warp's row: its sources' sum-exp terms
-  dv_u64 stream_key;
 };
 
 
@@ -1272,7 +1279,8 @@ struct DvCombineShared {
 // with want_lp, logprobs[N]. Returns the first source whose digest or candidate
 // differs from this rank's (DV_NO_ID: none), in the first row that has one. Every
 // thread calls it. Rows are decided a warp each, the warps' rows at once (the sources
-// over the lanes); a row that the top-k merge decides then takes the whole block.
+// over the lanes); the rows that the top-k merge decides then take the whole block, up
+// to DV_TK_SLOTS of them at once.
 __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsigned rows_per_src,
                                        unsigned rec_words, unsigned kcap, unsigned i, unsigned n,
                                        const DvParams& p, const int* cand, unsigned digest,
@@ -1301,8 +1309,10 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       unsigned bad = DV_NO_ID, nan_id = DV_NO_ID, max_id = DV_NO_ID, bid = DV_NO_ID;
       bool has_nan = false;
       float mx = dv_neg_inf(), bs = dv_neg_inf(), bval = dv_neg_inf();
+      unsigned list_total = 0;  // entries of the sources' lists (capped at kcap each)
       for (unsigned s = lane; s < tp; s += ww) {
         const unsigned* r = hdr + s * DV_HDR;
+        list_total += r[DV_W_LIST_LEN] > kcap ? kcap : r[DV_W_LIST_LEN];
         if ((r[DV_W_DIGEST] != digest || r[DV_W_CAND] != (unsigned)cand[d]) && s < bad) bad = s;
         if (r[DV_W_FLAGS] & 1u) {
           has_nan = true;
@@ -1330,6 +1340,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         const float obs = __shfl_xor_sync(DV_FULL, bs, (int)o);
         const unsigned obi = __shfl_xor_sync(DV_FULL, bid, (int)o);
         const float obv = __shfl_xor_sync(DV_FULL, bval, (int)o);
+        list_total += __shfl_xor_sync(DV_FULL, list_total, (int)o);
         bad = ob < bad ? ob : bad;
         nan_id = on < nan_id ? on : nan_id;
         has_nan = has_nan || oh;
@@ -1361,77 +1372,123 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.row_max[d] = mx;
         sh.row_flags[d] = flags;
         sh.row_bad[d] = bad;
+        sh.row_total[d] = list_total;
       }
     }
     __syncthreads();
-    // the rows the top-k merge decides, one at a time with the whole block
-    for (unsigned rr = 0; rr < rows_now; ++rr) {
-      const unsigned d = d0 + rr, row = i * n + d;
-      if (!(sh.row_flags[d] & 2u)) continue;  // (uniform over the block)
-      const unsigned* hdr = sh.hdr + rr * per_row;
-      if (t == 0) {
-        sh.stream_key = dv_stream_key(p, d);
-        unsigned at = 0;
-        for (unsigned s = 0; s < tp; ++s) {
-          unsigned len = hdr[s * DV_HDR + DV_W_LIST_LEN];
-          if (len > kcap) len = kcap;
-          sh.len[s] = len;
-          sh.off[s] = at;
-          at += len;
+    // the rows the top-k merge decides, DV_TK_SLOTS at a time (as many as the entry pool
+    // holds), each step over every slot's entries at once: the rows' long chains of
+    // loads and noise overlap instead of running one row after another
+    for (unsigned rr_next = 0;;) {
+      if (t == 0) {  // the next top-k rows whose lists fit the pool together
+        unsigned ns = 0, used = 0;
+        for (; rr_next < rows_now && ns < DV_TK_SLOTS; ++rr_next) {
+          const unsigned d = d0 + rr_next;
+          if (!(sh.row_flags[d] & 2u)) continue;
+          if (ns > 0 && used + sh.row_total[d] > DV_TK_POOL) break;  // the next round's
+          sh.slot_rr[ns] = rr_next;
+          sh.slot_base[ns] = used;
+          used += sh.row_total[d];
+          ++ns;
         }
-        sh.off[tp] = at;
-        sh.mass_total = 0;
+        sh.slot_base[ns] = used;
+        sh.n_slots = ns;
+        sh.rr_next = rr_next;
       }
       __syncthreads();
-      // every source's list into shared memory, then each entry's rank in the merge
-      const unsigned total = sh.off[tp];
-      for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
+      const unsigned ns = sh.n_slots;
+      rr_next = sh.rr_next;
+      if (ns == 0) break;  // (uniform over the block)
+      // slot g's stream key and each source's offset in the pool (a thread per slot)
+      for (unsigned g = t; g < ns; g += B) {
+        const unsigned rr = sh.slot_rr[g];
+        const unsigned* hdr = sh.hdr + rr * per_row;
+        sh.slot_key[g] = dv_stream_key(p, d0 + rr);
+        unsigned at = sh.slot_base[g];
+        for (unsigned s = 0; s < tp; ++s) {
+          sh.off[g][s] = at;
+          unsigned len = hdr[s * DV_HDR + DV_W_LIST_LEN];
+          at += len > kcap ? kcap : len;
+        }
+        sh.off[g][tp] = at;
+        sh.mass_total[g] = 0;
+      }
+      __syncthreads();
+      // every slot's lists into the pool (values and ids; the order key is the value's)
+      const unsigned all = sh.slot_base[ns];
+      for (unsigned e = t; e < all; e += B) {
+        unsigned g = 0;
+        while (sh.slot_base[g + 1] <= e) ++g;
         unsigned s = 0;
-        while (sh.off[s + 1] <= e) ++s;
-        const unsigned j = e - sh.off[s];
+        while (sh.off[g][s + 1] <= e) ++s;
+        const unsigned j = e - sh.off[g][s], row = i * n + d0 + sh.slot_rr[g];
         const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
-        const float v = argmax_u2f(r[DV_HDR + j]);
-        sh.mval[e] = v;
-        sh.key[e] = dv_order_key(v);
+        sh.mval[e] = argmax_u2f(r[DV_HDR + j]);
         sh.mid[e] = r[DV_HDR + kcap + j];
       }
       __syncthreads();
-      const unsigned k = (unsigned)p.top_k < total ? (unsigned)p.top_k : total;
-      for (unsigned e = t; e < total && e < DV_MERGE_MAX; e += B) {
+      // each entry's rank in its row's merge: its place in its own list plus the entries
+      // of every other source before it (key desc, id asc), a prefix of that list counted
+      // by a branchless search of fixed steps, DV_MERGE_ILP sources at once (independent
+      // shared loads, every one made: a short list reads its first entry)
+      unsigned top_step = 1;  // the largest power of 2 <= the longest list (kcap)
+      while (top_step * 2u <= kcap) top_step *= 2u;
+      for (unsigned e = t; e < all; e += B) {
+        unsigned g = 0;
+        while (sh.slot_base[g + 1] <= e) ++g;
         unsigned s = 0;
-        while (sh.off[s + 1] <= e) ++s;
-        const unsigned ke = sh.key[e], ie = sh.mid[e];
-        unsigned rank = e - sh.off[s];
-        for (unsigned o = 0; o < tp; ++o) {
-          if (o == s) continue;
-          unsigned a = sh.off[o], b = sh.off[o + 1];  // entries of o before e: a prefix
-          while (a < b) {
-            const unsigned mid = (a + b) / 2;
-            if (sh.key[mid] > ke || (sh.key[mid] == ke && sh.mid[mid] < ie))
-              a = mid + 1;
-            else
-              b = mid;
+        while (sh.off[g][s + 1] <= e) ++s;
+        const float ve = sh.mval[e];
+        const unsigned ke = dv_order_key(ve), ie = sh.mid[e];
+        const unsigned k_g = (unsigned)p.top_k < sh.slot_base[g + 1] - sh.slot_base[g]
+                                 ? (unsigned)p.top_k
+                                 : sh.slot_base[g + 1] - sh.slot_base[g];
+        unsigned rank = e - sh.off[g][s];
+        for (unsigned o0 = 0; o0 < tp; o0 += DV_MERGE_ILP) {
+          unsigned base[DV_MERGE_ILP], len[DV_MERGE_ILP], cnt[DV_MERGE_ILP];
+#pragma unroll
+          for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
+            const unsigned o = o0 + q;
+            const bool other = o < tp && o != s;
+            base[q] = other ? sh.off[g][o] : sh.slot_base[g];
+            len[q] = other ? sh.off[g][o + 1] - sh.off[g][o] : 0u;
+            cnt[q] = 0u;
           }
-          rank += a - sh.off[o];
+          for (unsigned step = top_step; step > 0; step >>= 1) {
+#pragma unroll
+            for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
+              const unsigned j = cnt[q] + step;  // is entry j - 1 of the list before e?
+              const bool in = j <= len[q];
+              const unsigned at = base[q] + (in ? j - 1u : 0u);
+              const unsigned ka = dv_order_key(sh.mval[at]), ia = sh.mid[at];
+              cnt[q] = in && (ka > ke || (ka == ke && ia < ie)) ? j : cnt[q];
+            }
+          }
+#pragma unroll
+          for (unsigned q = 0; q < DV_MERGE_ILP; ++q) rank += cnt[q];
         }
-        if (rank < k) {
-          sh.m_val[rank] = sh.mval[e];
-          sh.m_id[rank] = ie;
+        if (rank < k_g) {
+          sh.m_val[g][rank] = ve;
+          sh.m_id[g][rank] = ie;
         }
       }
       __syncthreads();
+      // the first k of every slot: scaled logit, score, top-p mass term
       const float T = p.temperature;
       const bool use_p = p.top_p < 1.0f;
-      for (unsigned j = t; j < k; j += B) {
-        const float z = dv_fdiv(sh.m_val[j], T);
-        sh.m_z[j] = z;
-        sh.m_score[j] = dv_fadd(z, dv_noise(sh.stream_key, sh.m_id[j]));
+      const unsigned kk = (unsigned)p.top_k;
+      for (unsigned x = t; x < ns * kk; x += B) {
+        const unsigned g = x / kk, j = x - g * kk;
+        if (j >= sh.slot_base[g + 1] - sh.slot_base[g]) continue;  // a row of fewer entries
+        const float z = dv_fdiv(sh.m_val[g][j], T);
+        sh.m_z[g][j] = z;
+        sh.m_score[g][j] = dv_fadd(z, dv_noise(sh.slot_key[g], sh.m_id[g][j]));
         if (use_p) {
           if (argmax_isfinite(z)) {
-            dv_mass_term(z, &sh.m_grp[j], &sh.m_a[j]);
+            dv_mass_term(z, &sh.m_grp[g][j], &sh.m_a[g][j]);
           } else {
-            sh.m_grp[j] = (double)dv_neg_inf();
-            sh.m_a[j] = 0;
+            sh.m_grp[g][j] = (double)dv_neg_inf();
+            sh.m_a[g][j] = 0;
           }
         }
       }
@@ -1440,49 +1497,70 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       // sums the entries before it group by group, as layout's serial loop does; the
       // last one adds its own for the total W)
       if (use_p) {
-        const double top = sh.m_grp[0];
-        for (unsigned j = t; j < k; j += B) {
+        for (unsigned x = t; x < ns * kk; x += B) {
+          const unsigned g = x / kk, j = x - g * kk;
+          const unsigned k = kk < sh.slot_base[g + 1] - sh.slot_base[g]
+                                 ? kk
+                                 : sh.slot_base[g + 1] - sh.slot_base[g];
+          if (j >= k) continue;
+          const double top = sh.m_grp[g][0];
           dv_i64 P[7] = {0, 0, 0, 0, 0, 0, 0};
-          for (unsigned i = 0; i < j; ++i) {
-            const double dd = top - sh.m_grp[i];
-            for (int g = 0; g < 7; ++g)
-              if (dd == (double)g) P[g] += sh.m_a[i];
+          for (unsigned m = 0; m < j; ++m) {
+            const double dd = top - sh.m_grp[g][m];
+            for (int q = 0; q < 7; ++q)
+              if (dd == (double)q) P[q] += sh.m_a[g][m];
           }
           dv_i64 before = 0;
-          for (int g = 0; g < 7; ++g) before += P[g] >> (8 * g);
-          sh.m_before[j] = before;
+          for (int q = 0; q < 7; ++q) before += P[q] >> (8 * q);
+          sh.m_before[g][j] = before;
           if (j + 1 == k) {
-            const double dd = top - sh.m_grp[j];
-            for (int g = 0; g < 7; ++g)
-              if (dd == (double)g) P[g] += sh.m_a[j];
+            const double dd = top - sh.m_grp[g][j];
+            for (int q = 0; q < 7; ++q)
+              if (dd == (double)q) P[q] += sh.m_a[g][j];
             dv_i64 W = 0;
-            for (int g = 0; g < 7; ++g) W += P[g] >> (8 * g);
-            sh.mass_total = W;
+            for (int q = 0; q < 7; ++q) W += P[q] >> (8 * q);
+            sh.mass_total[g] = W;
           }
         }
         __syncthreads();
       }
-      const dv_i64 thr = use_p ? dv_top_p_threshold(p.top_p, sh.mass_total) : 0;
+      // the best (score desc, id asc) kept entry of each slot: a warp each (the order is
+      // total, so any reduction order gives the serial loop's result)
       const bool use_m = p.min_p > 0.0f;
-      const float thr_z =
-          use_m && k > 0 ? dv_fadd(dv_fdiv(sh.m_val[0], T), dv_min_p_log(p.min_p)) : 0.0f;
-      // the best (score desc, id asc) kept entry: a block reduction
-      float bs = dv_neg_inf();
-      unsigned bid = DV_NO_ID;
-      float bval = dv_nan();
-      for (unsigned j = t; j < k; j += B) {
-        bool kept = !use_p || sh.m_before[j] < thr;
-        if (use_m && !(sh.m_z[j] >= thr_z)) kept = false;
-        if (kept && dv_better(sh.m_score[j], sh.m_id[j], bs, bid)) {
-          bs = sh.m_score[j];
-          bid = sh.m_id[j];
-          bval = sh.m_val[j];
+      for (unsigned g = t >> 5; g < ns; g += W) {
+        const unsigned k = kk < sh.slot_base[g + 1] - sh.slot_base[g]
+                               ? kk
+                               : sh.slot_base[g + 1] - sh.slot_base[g];
+        const dv_i64 thr = use_p ? dv_top_p_threshold(p.top_p, sh.mass_total[g]) : 0;
+        const float thr_z =
+            use_m && k > 0 ? dv_fadd(dv_fdiv(sh.m_val[g][0], T), dv_min_p_log(p.min_p)) : 0.0f;
+        float bs = dv_neg_inf();
+        unsigned bid = DV_NO_ID;
+        float bval = dv_nan();
+        for (unsigned j = lane; j < k; j += ww) {
+          bool kept = !use_p || sh.m_before[g][j] < thr;
+          if (use_m && !(sh.m_z[g][j] >= thr_z)) kept = false;
+          if (kept && dv_better(sh.m_score[g][j], sh.m_id[g][j], bs, bid)) {
+            bs = sh.m_score[g][j];
+            bid = sh.m_id[g][j];
+            bval = sh.m_val[g][j];
+          }
         }
-      }
-      dv_block_best(sh.red, bs, bid, bval);
-      if (t == 0) {
-        sh.tok[d] = (int)bid;
-        sh.tok_val[d] = bval;
+        for (unsigned o = ww / 2; o > 0; o >>= 1) {
+          const float obs = __shfl_xor_sync(DV_FULL, bs, (int)o);
+          const unsigned obi = __shfl_xor_sync(DV_FULL, bid, (int)o);
+          const float obv = __shfl_xor_sync(DV_FULL, bval, (int)o);
+          if (dv_better(obs, obi, bs, bid)) {
+            bs = obs;
+            bid = obi;
+            bval = obv;
+          }
+        }
+        if (lane == 0) {
+          const unsigned d = d0 + sh.slot_rr[g];
+          sh.tok[d] = (int)bid;
+          sh.tok_val[d] = bval;
+        }
       }
       __syncthreads();
     }
