@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""GPU time of the verify kernels alone: ``tp`` shards on one GPU, no communication.
+
+The gated bench times ``verify_batch_vocab`` with its ranks' kernels waiting for each
+other, so neither ncu (it serialises kernels) nor a kernel's own duration separates a
+kernel's cost from its wait. This runs the two kernels of ``kernels/verify.cu`` (the
+device code the one-sided push and finish share) on the batch of a ``tp``-rank group,
+all on this GPU: ``dp_verify_records`` on every rank's shard, the records stacked as
+the owners receive them, then ``dp_verify_combine``, both as every owner's launch
+(``R = pad_bs / tp`` requests each) and as one launch of the whole batch (what each rank
+runs when the one-sided backend broadcasts the records of a small batch). Nothing waits
+on a peer, so each launch's CUDA-event time is its cost, and ncu can profile it::
+
+    PYTHONPATH=$PWD python3 scripts/bench_verify_kernels.py --mix topk50
+    ncu --kernel-name dp_verify_combine --launch-skip 3 --launch-count 1 \\
+        python3 scripts/bench_verify_kernels.py --mix topk50 --iters 5
+
+Every output is poisoned first and checked bit for bit against
+``ipc_dpsample.layout.reference_verify_batch_vocab`` (the owners' launches: predict,
+accept_index, accept_length; the whole-batch launch numbers accept_index over the
+batch, so it is checked on predict and accept_length) before anything is timed.
+Prints medians with p10..p90 over ``--iters`` launches, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+__all__ = ["main", "parse_args", "stack_owner"]
+
+POISON = 0x5A5A5A5A
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: ``pad_bs`` a multiple of ``tp`` and ``vocab`` of
+    ``tp`` (argparse exits with the expected values otherwise)."""
+    from ipc_dpsample.tools.verify_case import VERIFY_MIXES
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=8, help="shards (ranks) of the batch")
+    p.add_argument("--pad-bs", type=int, default=8)
+    p.add_argument("--num-tokens", type=int, default=4, help="N, rows per request")
+    p.add_argument("--vocab", type=int, default=152064)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--mix", choices=VERIFY_MIXES, default="topk50")
+    p.add_argument(
+        "--cap",
+        type=int,
+        default=128,
+        help="list capacity of the records (128: what a call with device parameters, as "
+        "the graph-replayed bench, uses with top-k; 0: the call's largest top-k, as with "
+        "host parameters); ignored without top-k",
+    )
+    p.add_argument("--iters", type=int, default=50, help="timed launches per kernel")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(argv)
+    if ns.tp < 1 or ns.pad_bs < 1 or ns.num_tokens < 1 or ns.iters < 1:
+        p.error("--tp, --pad-bs, --num-tokens and --iters must be at least 1")
+    if not 0 <= ns.cap <= 128:
+        p.error(f"--cap {ns.cap}; expected 0 (the largest top-k) or 1 to 128")
+    if ns.pad_bs % ns.tp:
+        p.error(f"--pad-bs {ns.pad_bs} must be a multiple of --tp {ns.tp}")
+    if ns.vocab % ns.tp:
+        p.error(f"--vocab {ns.vocab} must be a multiple of --tp {ns.tp}")
+    return ns
+
+
+def stack_owner(records: Any, owner: int, reqs: int, n: int) -> Any:
+    """The records owner ``owner`` receives: every source's rows of its ``reqs``
+    requests, ``[tp][reqs * n][words]`` contiguous (``records`` is
+    ``[tp][pad_bs * n][words]``, NumPy or CuPy)."""
+    xp = sys.modules[type(records).__module__.split(".")[0]]
+    part = records[:, owner * reqs * n : (owner + 1) * reqs * n]
+    return xp.ascontiguousarray(part)
+
+
+def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 logits as a rank holds them (bfloat16: round-to-nearest-even bits)."""
+    if dtype == "bfloat16":
+        b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.astype(np.uint16)
+    return x.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+def _stats(us: list[float]) -> str:
+    p10, med, p90 = np.percentile(np.asarray(us), [10, 50, 90])
+    return f"median {med:8.2f} us [p10 {p10:.2f}, p90 {p90:.2f}], n={len(us)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    try:
+        import cupy as cp
+
+        cp.cuda.runtime.getDeviceCount()
+    except (ImportError, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError
+        print(f"bench_verify_kernels.py needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
+        return 2
+
+    from ipc_dpsample.backends.verify_plan import (
+        call_digest,
+        list_cap,
+        pack_params,
+        param_offsets,
+        record_words,
+    )
+    from ipc_dpsample.kernel_cache import get_kernel
+    from ipc_dpsample.layout import verify_params
+    from ipc_dpsample.protocol import Dtype
+    from ipc_dpsample.tools.verify_case import make_verify_case
+
+    tp, pad_bs, n, vocab = ns.tp, ns.pad_bs, ns.num_tokens, ns.vocab
+    dtype, vs, rows, reqs = DTYPES[ns.dtype], vocab // tp, pad_bs * n, pad_bs // tp
+    rng = np.random.default_rng(ns.seed)
+    logits = (rng.standard_normal((rows, vocab), dtype=np.float32) * 4).astype(np.float32)
+    shards = [
+        np.ascontiguousarray(_encode(logits[:, s * vs : (s + 1) * vs], dtype)) for s in range(tp)
+    ]
+    case = make_verify_case(shards, tp=tp, pad_bs=pad_bs, dtype=dtype, mix=ns.mix, rng=rng)
+    checked = verify_params(pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=vocab, **case.params)
+    cap = list_cap(checked)
+    if cap and ns.cap:
+        if ns.cap < cap:
+            print(f"--cap {ns.cap} is below the mix's top-k {cap}", file=sys.stderr)
+            return 2
+        cap = ns.cap
+    words = record_words(cap)
+    digest = call_digest(vocab, cap, False, n)
+    code = int(Dtype[dtype.upper()])
+
+    d_shards = [cp.asarray(s) for s in shards]
+    d_cand = cp.asarray(case.candidates)
+    d_params = cp.asarray(pack_params(checked))
+    ptrs = [int(d_params.data.ptr) + off for off in param_offsets(pad_bs)]
+    records = cp.full((tp, rows, words), POISON, cp.uint32)
+    err_rec = cp.zeros(tp, cp.uint32)
+    name = "dp_verify_records" if cap else "dp_verify_records_nolist"
+    rec_k = get_kernel("verify.cu", name, cp.cuda.Device().id)
+    comb_k = get_kernel("verify.cu", "dp_verify_combine", cp.cuda.Device().id)
+    u, i = np.uint64, np.int64
+    block = (256,)
+
+    def rec_args(s: int) -> tuple[Any, ...]:
+        return (
+            u(d_shards[s].data.ptr), u(d_cand.data.ptr), *(u(p) for p in ptrs), i(cap), i(0),
+            i(digest), u(0), i(pad_bs), i(rows), i(vs), i(s * vs), i(vocab), i(code), i(n),
+            u(records[s].data.ptr), u(err_rec[s:].data.ptr),
+        )  # fmt: skip
+
+    def outputs(count: int) -> tuple[Any, ...]:
+        return (
+            cp.full((count, n), POISON, cp.int32), cp.full((count, n), POISON, cp.int32),
+            cp.full(count, POISON, cp.int32), cp.full((count, n), np.nan, cp.float32),
+            cp.zeros(1, cp.uint32),
+        )  # fmt: skip
+
+    def comb_args(recs: Any, count: int, req0: int, outs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (
+            u(d_cand.data.ptr), *(u(p) for p in ptrs), i(cap), i(0), i(digest), u(0),
+            i(pad_bs), u(recs.data.ptr), i(tp), i(count), i(n), i(req0), i(vocab),
+            *(u(a.data.ptr) for a in outs),
+        )  # fmt: skip
+
+    def launch_records() -> None:
+        for s in range(tp):
+            rec_k((rows,), block, rec_args(s))
+
+    # the check: every owner's launch on its received records, the whole batch's launch
+    launch_records()
+    owner_recs = [stack_owner(records, o, reqs, n) for o in range(tp)]
+    owner_outs = [outputs(reqs) for _ in range(tp)]
+    for o in range(tp):
+        comb_k((max(1, reqs),), block, comb_args(owner_recs[o], reqs, o * reqs, owner_outs[o]))
+    whole_outs = outputs(pad_bs)
+    comb_k((pad_bs,), block, comb_args(records, pad_bs, 0, whole_outs))
+    cp.cuda.Device().synchronize()
+    bad = []
+    if int(err_rec.max()) or any(int(o[4][0]) for o in owner_outs) or int(whole_outs[4][0]):
+        bad.append("an error word was set (refused value or mismatched records)")
+    got = [np.concatenate([cp.asnumpy(o[j]) for o in owner_outs]) for j in range(3)]
+    bad += [f"owners' combine: {m}" for m in case.mismatches(got)]
+    whole = [cp.asnumpy(whole_outs[0]), case.accept_index, cp.asnumpy(whole_outs[2])]
+    bad += [f"whole-batch combine: {m}" for m in case.mismatches(whole)]
+    what = (
+        f"tp={tp} pad_bs={pad_bs} N={n} V={vocab} {ns.mix} {ns.dtype}, record {4 * words} B, "
+        f"{cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)['name'].decode()}"
+    )
+    if bad:
+        print(f"WRONG ({what}):\n  " + "\n  ".join(bad))
+        return 1
+    print(f"checked bit for bit against the reference ({what})")
+
+    def timed(fn: Any) -> list[float]:
+        fn()  # warm
+        out = []
+        for _ in range(ns.iters):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
+        return out
+
+    print(f"dp_verify_records, every shard ({tp} launches of {rows} rows): "
+          f"{_stats(timed(launch_records))}")  # fmt: skip
+    print(f"dp_verify_records, one shard ({rows} rows): "
+          f"{_stats(timed(lambda: rec_k((rows,), block, rec_args(0))))}")  # fmt: skip
+    args0 = comb_args(owner_recs[0], reqs, 0, owner_outs[0])
+    print(f"dp_verify_combine, one owner ({reqs} requests, {tp} sources): "
+          f"{_stats(timed(lambda: comb_k((max(1, reqs),), block, args0)))}")  # fmt: skip
+    argsw = comb_args(records, pad_bs, 0, whole_outs)
+    print(f"dp_verify_combine, the whole batch ({pad_bs} requests, {tp} sources): "
+          f"{_stats(timed(lambda: comb_k((pad_bs,), block, argsw)))}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""scripts/bench_verify_kernels.py: its command line and the records an owner receives
+(CPU); the GPU run itself is a benchmark (its output is quoted in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify_kernels.py"
+_spec = importlib.util.spec_from_file_location("bench_verify_kernels", _PATH)
+assert _spec is not None and _spec.loader is not None
+bvk = importlib.util.module_from_spec(_spec)
+sys.modules["bench_verify_kernels"] = bvk
+_spec.loader.exec_module(bvk)
+
+
+def test_the_defaults_are_the_gated_bench_shape() -> None:
+    ns = bvk.parse_args([])
+    assert (ns.tp, ns.pad_bs, ns.num_tokens, ns.vocab) == (8, 8, 4, 152064)
+    assert (ns.dtype, ns.mix, ns.cap) == ("fp32", "topk50", 128)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--tp", "3"], "--pad-bs 8 must be a multiple of --tp 3"),
+        (["--tp", "7", "--pad-bs", "7"], "--vocab 152064 must be a multiple of --tp 7"),
+        (["--iters", "0"], "must be at least 1"),
+        (["--cap", "129"], "--cap 129; expected 0 (the largest top-k) or 1 to 128"),
+        (["--mix", "nucleus"], "invalid choice: 'nucleus'"),
+    ],
+)
+def test_a_bad_command_line_names_what_is_expected(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        bvk.parse_args(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_an_owner_receives_every_sources_rows_of_its_requests() -> None:
+    tp, pad_bs, n, words = 4, 8, 3, 5
+    reqs = pad_bs // tp
+    records = np.arange(tp * pad_bs * n * words, dtype=np.uint32).reshape(tp, pad_bs * n, words)
+    for owner in range(tp):
+        got = bvk.stack_owner(records, owner, reqs, n)
+        assert got.shape == (tp, reqs * n, words) and got.flags.c_contiguous
+        for s in range(tp):
+            for r in range(reqs * n):
+                assert np.array_equal(got[s, r], records[s, owner * reqs * n + r])
+
+
+def test_bfloat16_rounds_to_nearest_even() -> None:
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], np.float32)
+    bits = bvk._encode(x, "bfloat16")
+    assert bits.dtype == np.uint16
+    back = (bits.astype(np.uint32) << 16).view(np.float32)
+    # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even (1.0); 1 + 3 * 2^-8 rounds up to
+    # 1 + 2^-6 (even), not down to 1 + 2^-7
+    assert back.tolist()[:4] == [1.0, 1.0, 1.015625, -2.5]
+    assert np.isfinite(back[4])
+
+
+def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except (ImportError, RuntimeError):
+        assert bvk.main(["--iters", "1"]) == 2
+        assert "needs CuPy and a CUDA GPU" in capsys.readouterr().err
+    else:
+        pytest.skip("a GPU is present: the script runs instead (scripts/bench_verify_kernels.py)")
