@@ -1450,8 +1450,11 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
             const unsigned o = o0 + q;
             const bool other = o < tp && o != s;
-            base[q] = other ? sh.off[g][o] : sh.slot_base[g];
-            len[q] = other ? sh.off[g][o + 1] - sh.off[g][o] : 0u;
+            const unsigned lo = other ? sh.off[g][o] : e, hi = other ? sh.off[g][o + 1] : e;
+            len[q] = hi - lo;
+            // an empty list (or none) reads entry e, a pool entry, and never counts it:
+            // its own offset may be the pool's end
+            base[q] = hi > lo ? lo : e;
             cnt[q] = 0u;
           }
           for (unsigned step = top_step; step > 0; step >>= 1) {
