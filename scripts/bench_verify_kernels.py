@@ -9,7 +9,7 @@ all on this GPU: ``dp_verify_records`` on every rank's shard, the records stacke
 the owners receive them, then ``dp_verify_combine``, both as every owner's launch
 (``R = pad_bs / tp`` requests each) and as one launch of the whole batch (what each rank
 runs when the one-sided backend broadcasts the records of a small batch). Nothing waits
-on a peer, so each launch's CUDA-event time is its cost, and ncu can profile it::
+on a peer, so ncu can profile each kernel alone (its duration is the kernel's cost)::
 
     PYTHONPATH=$PWD python3 scripts/bench_verify_kernels.py --mix topk50
     ncu --kernel-name dp_verify_combine --launch-skip 3 --launch-count 1 \\
@@ -19,7 +19,10 @@ Every output is poisoned first and checked bit for bit against
 ``ipc_dpsample.layout.reference_verify_batch_vocab`` (the owners' launches: predict,
 accept_index, accept_length; the whole-batch launch numbers accept_index over the
 batch, so it is checked on predict and accept_length) before anything is timed.
-Prints medians with p10..p90 over ``--iters`` launches, in microseconds.
+Prints medians with p10..p90 over ``--iters`` launches, in microseconds, between two CUDA
+events around each launch from Python: they include the host's launch of the kernel
+(tens of microseconds through CuPy), so they bound a short kernel's cost from above;
+read a kernel's own duration from ncu.
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WRONG ({what}):\n  " + "\n  ".join(bad))
         return 1
     print(f"checked bit for bit against the reference ({what})")
+    print("times: CUDA events around each launch from Python, the host's launch included")
 
     def timed(fn: Any) -> list[float]:
         fn()  # warm
