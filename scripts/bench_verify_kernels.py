@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["main", "parse_args", "stack_owner"]
+__all__ = ["main", "make_shards", "parse_args", "stack_owner"]
 
 POISON = 0x5A5A5A5A
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pad-bs", type=int, default=8)
     p.add_argument("--num-tokens", type=int, default=4, help="N, rows per request")
     p.add_argument("--vocab", type=int, default=152064)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--mix", choices=VERIFY_MIXES, default="topk50")
     p.add_argument(
         "--cap",
@@ -85,13 +85,15 @@ def stack_owner(records: Any, owner: int, reqs: int, n: int) -> Any:
     return xp.ascontiguousarray(part)
 
 
-def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 logits as a rank holds them (bfloat16: round-to-nearest-even bits)."""
-    if dtype == "bfloat16":
-        b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.astype(np.uint16)
-    return x.astype(np.float16 if dtype == "float16" else np.float32)
+def make_shards(seed: int, rows: int, vocab: int, tp: int, dtype: str) -> list[np.ndarray]:
+    """Every rank's ``local_logits`` ``[rows, vocab / tp]``: the bench's and the demo's
+    logits (``randn * 4``, bfloat16 as its uint16 bits), cut into ``tp`` shards."""
+    from ipc_dpsample.arrays import normalize_dtype
+    from ipc_dpsample.tools.common import _random_logits
+
+    full = _random_logits(np.random.default_rng(seed), (rows, vocab), normalize_dtype(dtype))
+    vs = vocab // tp
+    return [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
 
 
 def _stats(us: list[float]) -> str:
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_verify_kernels.py needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
         return 2
 
+    from ipc_dpsample.arrays import normalize_dtype
     from ipc_dpsample.backends.verify_plan import (
         call_digest,
         list_cap,
@@ -122,12 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     from ipc_dpsample.tools.verify_case import make_verify_case
 
     tp, pad_bs, n, vocab = ns.tp, ns.pad_bs, ns.num_tokens, ns.vocab
-    dtype, vs, rows, reqs = DTYPES[ns.dtype], vocab // tp, pad_bs * n, pad_bs // tp
-    rng = np.random.default_rng(ns.seed)
-    logits = (rng.standard_normal((rows, vocab), dtype=np.float32) * 4).astype(np.float32)
-    shards = [
-        np.ascontiguousarray(_encode(logits[:, s * vs : (s + 1) * vs], dtype)) for s in range(tp)
-    ]
+    dtype, vs, rows, reqs = normalize_dtype(ns.dtype), vocab // tp, pad_bs * n, pad_bs // tp
+    shards = make_shards(ns.seed, rows, vocab, tp, dtype)
+    rng = np.random.default_rng(ns.seed + 1)  # the parameters and candidates
     case = make_verify_case(shards, tp=tp, pad_bs=pad_bs, dtype=dtype, mix=ns.mix, rng=rng)
     checked = verify_params(pad_bs=pad_bs, num_tokens_per_req=n, vocab_size=vocab, **case.params)
     cap = list_cap(checked)

@@ -55,15 +55,18 @@ def test_an_owner_receives_every_sources_rows_of_its_requests() -> None:
                 assert np.array_equal(got[s, r], records[s, owner * reqs * n + r])
 
 
-def test_bfloat16_rounds_to_nearest_even() -> None:
-    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], np.float32)
-    bits = bvk._encode(x, "bfloat16")
-    assert bits.dtype == np.uint16
-    back = (bits.astype(np.uint32) << 16).view(np.float32)
-    # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even (1.0); 1 + 3 * 2^-8 rounds up to
-    # 1 + 2^-6 (even), not down to 1 + 2^-7
-    assert back.tolist()[:4] == [1.0, 1.0, 1.015625, -2.5]
-    assert np.isfinite(back[4])
+@pytest.mark.parametrize(("dtype", "stored"), [("fp32", np.float32), ("bf16", np.uint16)])
+def test_the_shards_are_the_bench_logits_cut_by_rank(dtype: str, stored: type) -> None:
+    from ipc_dpsample.arrays import normalize_dtype
+    from ipc_dpsample.tools.common import _random_logits
+
+    shards = bvk.make_shards(7, 6, 40, 4, dtype)
+    full = _random_logits(np.random.default_rng(7), (6, 40), normalize_dtype(dtype))
+    assert len(shards) == 4
+    for s, shard in enumerate(shards):
+        assert shard.dtype == stored and shard.shape == (6, 10) and shard.flags.c_contiguous
+        assert np.array_equal(shard, full[:, s * 10 : (s + 1) * 10])
+    assert len(np.unique(np.concatenate(shards, axis=1))) > 200  # random, not constant
 
 
 def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture[str]) -> None:
