@@ -1254,13 +1254,18 @@ struct DvCombineShared {
   unsigned n_slots, rr_next;
   dv_u64 slot_key[DV_TK_SLOTS];
   float m_val[DV_TK_SLOTS][DV_TOPK_MAX];  // each slot's merged first k: raw logits, ids,
-  unsigned m_id[DV_TK_SLOTS][DV_TOPK_MAX];  // z, scores, masses
-  float m_z[DV_TK_SLOTS][DV_TOPK_MAX];
+  unsigned m_id[DV_TK_SLOTS][DV_TOPK_MAX];  // scores, masses (z is recomputed)
   float m_score[DV_TK_SLOTS][DV_TOPK_MAX];
   double m_grp[DV_TK_SLOTS][DV_TOPK_MAX];
   dv_i64 m_a[DV_TK_SLOTS][DV_TOPK_MAX];
   dv_i64 m_before[DV_TK_SLOTS][DV_TOPK_MAX];  // top-p: the fixed-point mass before each entry
   dv_i64 mass_total[DV_TK_SLOTS];             // top-p: W, the first k's
+  // the merge ranks only the entries up to each slot's cut (its key and id): source s of
+  // slot g's prefix is pool entries off[g][s] .. + pre[g*tp + s + 1] - pre[g*tp + s],
+  // pre the running count over (slot, source) pairs; pre_longest its longest prefix
+  unsigned cut_key[DV_TK_SLOTS], cut_id[DV_TK_SLOTS];
+  unsigned pre[DV_TK_SLOTS * DV_MAX_TP + 1];
+  unsigned pre_longest;
   unsigned row_total[DV_MAX_N];  // the entries of the row's lists (the top-k merge's rows)
   DvShared red;
   int tok[DV_MAX_N];
@@ -1427,44 +1432,132 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.mid[e] = r[DV_HDR + kcap + j];
       }
       __syncthreads();
-      // each entry's rank in its row's merge: its place in its own list plus the entries
-      // of every other source before it (key desc, id asc), a prefix of that list counted
-      // by a branchless search of fixed steps, DV_MERGE_ILP sources at once (independent
-      // shared loads, every one made: a short list reads its first entry)
-      unsigned top_step = 1;  // the largest power of 2 <= the longest list (kcap)
-      while (top_step * 2u <= kcap) top_step *= 2u;
-      for (unsigned e = t; e < all; e += B) {
-        unsigned g = 0;
-        while (sh.slot_base[g + 1] <= e) ++g;
-        unsigned s = 0;
-        while (sh.off[g][s + 1] <= e) ++s;
+      // each slot's cut: with c the fewest first entries per list whose union holds the
+      // slot's k_g (its first k) entries, the last of those entries in the order (key
+      // desc, id asc). At least k_g entries are at or before the cut, so no entry after it
+      // is among the first k_g: only the lists' prefixes up to the cut are ranked (a
+      // thread per slot; c by bisection)
+      for (unsigned g = t; g < ns; g += B) {
+        const unsigned tot = sh.slot_base[g + 1] - sh.slot_base[g];
+        const unsigned kg = (unsigned)p.top_k < tot ? (unsigned)p.top_k : tot;
+        unsigned longest = 0;
+        for (unsigned s = 0; s < tp; ++s) {
+          const unsigned l = sh.off[g][s + 1] - sh.off[g][s];
+          longest = l > longest ? l : longest;
+        }
+        unsigned lo = 0, hi = longest;  // the union of the first lo holds < kg, of hi >= kg
+        while (hi - lo > 1) {
+          const unsigned c = (lo + hi) / 2;
+          unsigned got = 0;
+          for (unsigned s = 0; s < tp; ++s) {
+            const unsigned l = sh.off[g][s + 1] - sh.off[g][s];
+            got += l < c ? l : c;
+          }
+          if (got >= kg)
+            hi = c;
+          else
+            lo = c;
+        }
+        unsigned ck = 0xFFFFFFFFu, ci = 0u;  // (an empty slot: no entry is ranked)
+        bool any = false;
+        for (unsigned s = 0; s < tp; ++s) {
+          const unsigned l = sh.off[g][s + 1] - sh.off[g][s];
+          if (l == 0) continue;
+          const unsigned at = sh.off[g][s] + (l < hi ? l : hi) - 1u;
+          const unsigned ka = dv_order_key(sh.mval[at]), ia = sh.mid[at];
+          if (!any || ka < ck || (ka == ck && ia > ci)) {
+            ck = ka;
+            ci = ia;
+            any = true;
+          }
+        }
+        sh.cut_key[g] = ck;
+        sh.cut_id[g] = any ? ci : 0u;
+      }
+      __syncthreads();
+      // each list's prefix up to its slot's cut (the list is in the order: a bisection)
+      for (unsigned x = t; x < ns * tp; x += B) {
+        const unsigned g = x / tp, s = x - g * tp;
+        const unsigned a = sh.off[g][s], ck = sh.cut_key[g], ci = sh.cut_id[g];
+        unsigned lo = 0, hi = sh.off[g][s + 1] - a;  // entries at or before the cut: lo
+        while (lo < hi) {
+          const unsigned mid = (lo + hi) / 2;
+          const unsigned ka = dv_order_key(sh.mval[a + mid]), ia = sh.mid[a + mid];
+          if (ka > ck || (ka == ck && ia <= ci))
+            lo = mid + 1;
+          else
+            hi = mid;
+        }
+        sh.pre[x + 1] = lo;
+      }
+      __syncthreads();
+      if (t < 32) {  // warp 0: the running count over the pairs, and the longest prefix
+        const unsigned pairs = ns * tp;
+        unsigned carry = 0, mx = 0;
+        for (unsigned b0 = 0; b0 < pairs; b0 += ww) {
+          const unsigned x = b0 + lane;
+          unsigned v = x < pairs ? sh.pre[x + 1] : 0u;
+          mx = v > mx ? v : mx;
+          for (unsigned o = 1; o < ww; o <<= 1) {
+            const unsigned y = __shfl_sync(DV_FULL, v, (int)(lane >= o ? lane - o : lane));
+            if (lane >= o) v += y;
+          }
+          if (x < pairs) sh.pre[x + 1] = carry + v;
+          carry += __shfl_sync(DV_FULL, v, (int)(ww - 1u));
+        }
+        for (unsigned o = ww / 2; o > 0; o >>= 1) {
+          const unsigned y = __shfl_xor_sync(DV_FULL, mx, (int)o);
+          mx = y > mx ? y : mx;
+        }
+        if (t == 0) {
+          sh.pre[0] = 0;
+          sh.pre_longest = mx;
+        }
+      }
+      __syncthreads();
+      // each ranked entry's rank in its row's merge: its place in its own list plus the
+      // entries of every other source before it (key desc, id asc), which lie in that
+      // source's prefix: counted by a branchless search of fixed steps, DV_MERGE_ILP
+      // sources at once (independent shared loads, every one made)
+      unsigned top_step = 1;  // the largest power of 2 <= the longest prefix
+      while (top_step * 2u <= sh.pre_longest) top_step *= 2u;
+      const unsigned ranked = sh.pre[ns * tp];
+      for (unsigned u = t; u < ranked; u += B) {
+        unsigned x = 0, hi = ns * tp;  // the pair of entry u: pre[x] <= u < pre[x + 1]
+        while (hi - x > 1) {
+          const unsigned mid = (x + hi) / 2;
+          if (sh.pre[mid] <= u)
+            x = mid;
+          else
+            hi = mid;
+        }
+        const unsigned g = x / tp, s = x - g * tp, j = u - sh.pre[x];
+        const unsigned e = sh.off[g][s] + j;
         const float ve = sh.mval[e];
         const unsigned ke = dv_order_key(ve), ie = sh.mid[e];
         const unsigned k_g = (unsigned)p.top_k < sh.slot_base[g + 1] - sh.slot_base[g]
                                  ? (unsigned)p.top_k
                                  : sh.slot_base[g + 1] - sh.slot_base[g];
-        unsigned rank = e - sh.off[g][s];
+        unsigned rank = j;
         for (unsigned o0 = 0; o0 < tp; o0 += DV_MERGE_ILP) {
           unsigned base[DV_MERGE_ILP], len[DV_MERGE_ILP], cnt[DV_MERGE_ILP];
 #pragma unroll
           for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
             const unsigned o = o0 + q;
             const bool other = o < tp && o != s;
-            const unsigned lo = other ? sh.off[g][o] : e, hi = other ? sh.off[g][o + 1] : e;
-            len[q] = hi - lo;
-            // an empty list (or none) reads entry e, a pool entry, and never counts it:
-            // its own offset may be the pool's end
-            base[q] = hi > lo ? lo : e;
+            len[q] = other ? sh.pre[g * tp + o + 1] - sh.pre[g * tp + o] : 0u;
+            // an empty prefix (or none) reads entry e, a pool entry, and never counts it
+            base[q] = len[q] > 0 ? sh.off[g][o] : e;
             cnt[q] = 0u;
           }
           for (unsigned step = top_step; step > 0; step >>= 1) {
 #pragma unroll
             for (unsigned q = 0; q < DV_MERGE_ILP; ++q) {
-              const unsigned j = cnt[q] + step;  // is entry j - 1 of the list before e?
-              const bool in = j <= len[q];
-              const unsigned at = base[q] + (in ? j - 1u : 0u);
+              const unsigned jj = cnt[q] + step;  // is entry jj - 1 of the list before e?
+              const bool in = jj <= len[q];
+              const unsigned at = base[q] + (in ? jj - 1u : 0u);
               const unsigned ka = dv_order_key(sh.mval[at]), ia = sh.mid[at];
-              cnt[q] = in && (ka > ke || (ka == ke && ia < ie)) ? j : cnt[q];
+              cnt[q] = in && (ka > ke || (ka == ke && ia < ie)) ? jj : cnt[q];
             }
           }
 #pragma unroll
@@ -1484,7 +1577,6 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         const unsigned g = x / kk, j = x - g * kk;
         if (j >= sh.slot_base[g + 1] - sh.slot_base[g]) continue;  // a row of fewer entries
         const float z = dv_fdiv(sh.m_val[g][j], T);
-        sh.m_z[g][j] = z;
         sh.m_score[g][j] = dv_fadd(z, dv_noise(sh.slot_key[g], sh.m_id[g][j]));
         if (use_p) {
           if (argmax_isfinite(z)) {
@@ -1542,7 +1634,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         float bval = dv_nan();
         for (unsigned j = lane; j < k; j += ww) {
           bool kept = !use_p || sh.m_before[g][j] < thr;
-          if (use_m && !(sh.m_z[g][j] >= thr_z)) kept = false;
+          if (use_m && !(dv_fdiv(sh.m_val[g][j], T) >= thr_z)) kept = false;
           if (kept && dv_better(sh.m_score[g][j], sh.m_id[g][j], bs, bid)) {
             bs = sh.m_score[g][j];
             bid = sh.m_id[g][j];
