@@ -30,6 +30,7 @@ def test_the_defaults_are_the_gated_bench_shape() -> None:
         (["--tp", "3"], "--pad-bs 8 must be a multiple of --tp 3"),
         (["--tp", "7", "--pad-bs", "7"], "--vocab 152064 must be a multiple of --tp 7"),
         (["--iters", "0"], "must be at least 1"),
+        (["--reps", "0"], "--iters and --reps must be at least 1"),
         (["--cap", "129"], "--cap 129; expected 0 (the largest top-k) or 1 to 128"),
         (["--mix", "nucleus"], "invalid choice: 'nucleus'"),
     ],
