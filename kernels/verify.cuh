@@ -405,9 +405,8 @@ __device__ __forceinline__ unsigned dv_warp_width() {
 
 __device__ __forceinline__ unsigned dv_nwarps() { return (blockDim.x + 31u) / 32u; }
 
-// (value desc, id asc) best over the block; carries a second float.
-__device__ __forceinline__ void dv_block_best(DvShared& sh, float& v, unsigned& id, float& extra) {
-  const unsigned t = threadIdx.x;
+// (value desc, id asc) best over the warp, on every lane; carries a second float.
+__device__ __forceinline__ void dv_warp_best(float& v, unsigned& id, float& extra) {
   for (unsigned o = dv_warp_width() / 2; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(DV_FULL, v, (int)o);
     const unsigned oi = __shfl_xor_sync(DV_FULL, id, (int)o);
@@ -418,6 +417,12 @@ __device__ __forceinline__ void dv_block_best(DvShared& sh, float& v, unsigned& 
       extra = oe;
     }
   }
+}
+
+// (value desc, id asc) best over the block; carries a second float.
+__device__ __forceinline__ void dv_block_best(DvShared& sh, float& v, unsigned& id, float& extra) {
+  const unsigned t = threadIdx.x;
+  dv_warp_best(v, id, extra);
   if ((t & 31u) == 0) {
     sh.f[t >> 5] = v;
     sh.u[t >> 5] = id;
@@ -1641,16 +1646,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
             bval = sh.m_val[g][j];
           }
         }
-        for (unsigned o = ww / 2; o > 0; o >>= 1) {
-          const float obs = __shfl_xor_sync(DV_FULL, bs, (int)o);
-          const unsigned obi = __shfl_xor_sync(DV_FULL, bid, (int)o);
-          const float obv = __shfl_xor_sync(DV_FULL, bval, (int)o);
-          if (dv_better(obs, obi, bs, bid)) {
-            bs = obs;
-            bid = obi;
-            bval = obv;
-          }
-        }
+        dv_warp_best(bs, bid, bval);
         if (lane == 0) {
           const unsigned d = d0 + sh.slot_rr[g];
           sh.tok[d] = (int)bid;
