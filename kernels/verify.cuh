@@ -1246,6 +1246,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
 #define DV_TK_SLOTS 4   // top-k rows a request's combine merges at once ...
 #define DV_TK_POOL 1600  // ... while their lists fit this many entries (one always does)
 #define DV_MAX_N 64
+#define DV_FILL_ILP 7  // pool entries a thread loads at once (DV_TK_POOL / DV_BLOCK, up)
 #define DV_HDR_WORDS 2048  // staged record headers: at least 2 rows of DV_MAX_TP sources
 struct DvCombineShared {
   unsigned hdr[DV_HDR_WORDS];  // the next rows' record headers (row, then source)
@@ -1424,17 +1425,43 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.mass_total[g] = 0;
       }
       __syncthreads();
-      // every slot's lists into the pool (values and ids; the order key is the value's)
+      // every slot's lists into the pool (values and ids; the order key is the value's),
+      // DV_FILL_ILP entries a thread at once: each entry's slot and source by branchless
+      // searches of fixed steps over the pool offsets, then all their loads in flight
+      // together (was one entry after another, each behind two linear searches)
       const unsigned all = sh.slot_base[ns];
-      for (unsigned e = t; e < all; e += B) {
-        unsigned g = 0;
-        while (sh.slot_base[g + 1] <= e) ++g;
-        unsigned s = 0;
-        while (sh.off[g][s + 1] <= e) ++s;
-        const unsigned j = e - sh.off[g][s], row = i * n + d0 + sh.slot_rr[g];
-        const unsigned* r = recs + ((dv_u64)s * rows_per_src + row) * rec_words;
-        sh.mval[e] = argmax_u2f(r[DV_HDR + j]);
-        sh.mid[e] = r[DV_HDR + kcap + j];
+      unsigned src_step = 1;  // the largest power of 2 <= tp
+      while (src_step * 2u <= tp) src_step *= 2u;
+      for (unsigned e0 = 0; e0 < all; e0 += DV_FILL_ILP * B) {
+        dv_u64 at[DV_FILL_ILP];
+        unsigned wv[DV_FILL_ILP], wi[DV_FILL_ILP];
+#pragma unroll
+        for (unsigned q = 0; q < DV_FILL_ILP; ++q) {
+          const unsigned e = e0 + q * B + t;
+          unsigned g = 0;  // the last slot whose base is <= e (bases never decrease)
+#pragma unroll
+          for (unsigned h = 1; h < DV_TK_SLOTS; ++h) g += (h < ns) & (sh.slot_base[h] <= e);
+          unsigned s = 0;  // the last source whose offset is <= e: its list holds e
+          for (unsigned step = src_step; step > 0; step >>= 1)
+            s = s + step < tp && sh.off[g][s + step] <= e ? s + step : s;
+          const unsigned row = i * n + d0 + sh.slot_rr[g];
+          at[q] = ((dv_u64)s * rows_per_src + row) * rec_words + DV_HDR + (e - sh.off[g][s]);
+        }
+#pragma unroll
+        for (unsigned q = 0; q < DV_FILL_ILP; ++q) {
+          if (e0 + q * B + t < all) {
+            wv[q] = recs[at[q]];
+            wi[q] = recs[at[q] + kcap];
+          }
+        }
+#pragma unroll
+        for (unsigned q = 0; q < DV_FILL_ILP; ++q) {
+          const unsigned e = e0 + q * B + t;
+          if (e < all) {
+            sh.mval[e] = argmax_u2f(wv[q]);
+            sh.mid[e] = wi[q];
+          }
+        }
       }
       __syncthreads();
       // each slot's cut: with c the fewest first entries per list whose union holds the
