@@ -112,6 +112,26 @@ struct DvParamPtrs {
 #define DV_BAD_MIN_P 4u
 #define DV_BAD_NEEDS_TOP_K 5u
 
+// -- phase clocks (profiling only: scripts/bench_verify_kernels.py --phases) ------------
+// Built with -DDV_PHASE_CLOCKS, thread 0 of CTA 0 writes the SM's clock64 at each mark
+// into dv_phase_clock[mark] (a mark inside a loop keeps its last pass): the record kernel's
+// marks are DV_PH_REC + 0.., the combine's DV_PH_COMB + 0... Without it a mark is nothing.
+#define DV_PHASES 32
+#define DV_PH_REC 0
+#define DV_PH_COMB 16
+#if defined(DV_PHASE_CLOCKS) && !defined(DP_ARGMAX_CPU_EMULATION)
+__device__ unsigned long long dv_phase_clock[DV_PHASES];
+__device__ __forceinline__ void dv_phase(unsigned mark) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long c;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+    dv_phase_clock[mark] = c;
+  }
+}
+#else
+__device__ __forceinline__ void dv_phase(unsigned) {}
+#endif
+
 // -- IEEE operations without contraction ---------------------------------------
 #ifdef DP_ARGMAX_CPU_EMULATION
 __device__ __forceinline__ float dv_fadd(float a, float b) { return a + b; }
@@ -1152,6 +1172,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
                               unsigned cand, unsigned digest, unsigned* rec, DvRowShared& rs,
                               DvQueue& q, DvRecordShared* ls) {
   const unsigned t = threadIdx.x;
+  dv_phase(DV_PH_REC + 0);
   const int mode = dv_mode(p);
   unsigned list_len = 0;
   if (kList && mode == DV_TOPK && ncols > 0) {
@@ -1167,6 +1188,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   const bool saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
+  dv_phase(DV_PH_REC + 1);  // pass 1
   if (has_nan) {
     m = dv_neg_inf();
     max_id = DV_NO_ID;
@@ -1184,6 +1206,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   const unsigned my_id = max_id;
   float unused = 0.0f;
   dv_block_best(rs.red, m, max_id, unused);
+  dv_phase(DV_PH_REC + 2);
   if (!has_nan && max_id == DV_NO_ID && ncols > 0) max_id = col0;  // every column -inf
   // the top-k rows' candidates: the columns at or above a threshold from the threads'
   // own maxima (a second read of the row)
@@ -1192,7 +1215,9 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     if (list_len > 0 && !has_nan) {
       const unsigned thr =
           dv_topk_threshold(rs.red, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
+      dv_phase(DV_PH_REC + 3);
       gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls);
+      dv_phase(DV_PH_REC + 4);  // pass 2
     }
   }
   // pass 2 (logprobs): sum of exp(x - max) in float64
@@ -1203,6 +1228,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     });
     se = dv_block_sum(rs.red, se);
   }
+  dv_phase(DV_PH_REC + 5);
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
@@ -1220,6 +1246,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
                   rec, *ls);
     }
   }
+  dv_phase(DV_PH_REC + 6);  // the temperature pass or the list
   if (t == 0) {
     rec[DV_W_FLAGS] = has_nan ? 1u : 0u;
     rec[DV_W_NAN_ID] = nan_id;
@@ -1236,6 +1263,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
     rec[DV_W_DIGEST] = digest;
   }
   __syncthreads();
+  dv_phase(DV_PH_REC + 7);
 }
 
 // -- the owner's combine of one request ----------------------------------------------
@@ -1298,6 +1326,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
                                        bool want_lp, int aidx_base, int* predict,
                                        int* accept_index, int* accept_length, float* logprobs,
                                        DvCombineShared& sh) {
+  dv_phase(DV_PH_COMB + 0);
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
   const unsigned W = dv_nwarps(), ww = dv_warp_width();
   const int mode = dv_mode(p);
@@ -1313,6 +1342,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       sh.hdr[e] = recs[((dv_u64)s * rows_per_src + i * n + d0 + rr) * rec_words + w];
     }
     __syncthreads();
+    dv_phase(DV_PH_COMB + 1);  // headers staged
     // each warp decides its rows: lane l reads sources l, l + 32, ...
     for (unsigned rr = t >> 5; rr < rows_now; rr += W) {
       const unsigned d = d0 + rr;
@@ -1387,6 +1417,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       }
     }
     __syncthreads();
+    dv_phase(DV_PH_COMB + 2);  // rows decided
     // the rows the top-k merge decides, DV_TK_SLOTS at a time (as many as the entry pool
     // holds), each step over every slot's entries at once: the rows' long chains of
     // loads and noise overlap instead of running one row after another
@@ -1410,6 +1441,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       const unsigned ns = sh.n_slots;
       rr_next = sh.rr_next;
       if (ns == 0) break;  // (uniform over the block)
+      dv_phase(DV_PH_COMB + 3);
       // slot g's stream key and each source's offset in the pool (a thread per slot)
       for (unsigned g = t; g < ns; g += B) {
         const unsigned rr = sh.slot_rr[g];
@@ -1425,6 +1457,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.mass_total[g] = 0;
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 4);
       // every slot's lists into the pool (values and ids; the order key is the value's),
       // DV_FILL_ILP entries a thread at once: each entry's slot and source by branchless
       // searches of fixed steps over the pool offsets, then all their loads in flight
@@ -1464,6 +1497,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 5);  // pool filled
       // each slot's cut: with c the fewest first entries per list whose union holds the
       // slot's k_g (its first k) entries, the last of those entries in the order (key
       // desc, id asc). At least k_g entries are at or before the cut, so no entry after it
@@ -1507,6 +1541,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.cut_id[g] = any ? ci : 0u;
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 6);  // cuts
       // each list's prefix up to its slot's cut (the list is in the order: a bisection)
       for (unsigned x = t; x < ns * tp; x += B) {
         const unsigned g = x / tp, s = x - g * tp;
@@ -1523,6 +1558,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         sh.pre[x + 1] = lo;
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 7);  // prefixes
       if (t < 32) {  // warp 0: the running count over the pairs, and the longest prefix
         const unsigned pairs = ns * tp;
         unsigned carry = 0, mx = 0;
@@ -1547,6 +1583,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 8);
       // each ranked entry's rank in its row's merge: its place in its own list plus the
       // entries of every other source before it (key desc, id asc), which lie in that
       // source's prefix: counted by a branchless search of fixed steps, DV_MERGE_ILP
@@ -1601,6 +1638,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 9);  // ranks
       // the first k of every slot: scaled logit, score, top-p mass term
       const float T = p.temperature;
       const bool use_p = p.top_p < 1.0f;
@@ -1620,6 +1658,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 10);  // scores
       // top-p: each entry's fixed-point mass before it, every entry at once (entry j
       // sums the entries before it group by group, as layout's serial loop does; the
       // last one adds its own for the total W)
@@ -1650,6 +1689,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           }
         }
         __syncthreads();
+        dv_phase(DV_PH_COMB + 11);  // top-p
       }
       // the best (score desc, id asc) kept entry of each slot: a warp each (the order is
       // total, so any reduction order gives the serial loop's result)
@@ -1681,6 +1721,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
         }
       }
       __syncthreads();
+      dv_phase(DV_PH_COMB + 12);  // best kept entries
     }
     // the logprobs, now that the tokens' raw logits are known: a warp each row
     if (want_lp) {
@@ -1715,6 +1756,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       }
     }
     __syncthreads();
+    dv_phase(DV_PH_COMB + 13);
   }
   if (t == 0) {
     unsigned accepted = 0;
@@ -1730,5 +1772,6 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
   unsigned bad = DV_NO_ID;  // the first row's first source with other parameters
   for (unsigned d = 0; d < n && bad == DV_NO_ID; ++d) bad = sh.row_bad[d];
   __syncthreads();  // every thread has read it before the next request writes it
+  dv_phase(DV_PH_COMB + 14);
   return bad;
 }

@@ -28,6 +28,7 @@ the host's launch of the kernel included: an upper bound for a short kernel).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50, help="timed samples per kernel")
     p.add_argument("--reps", type=int, default=20, help="calls per sample (one CUDA graph)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        metavar="RUNS",
+        help="also build the kernels with -DDV_PHASE_CLOCKS and print, over RUNS launches "
+        "each, the median SM cycles between the phase marks of the first CTA (row 0 of "
+        "shard 0; request 0 of the whole-batch combine); 0: off",
+    )
     ns = p.parse_args(argv)
+    if ns.phases < 0:
+        p.error(f"--phases {ns.phases}; expected 0 (off) or the launches to sample")
     if min(ns.tp, ns.pad_bs, ns.num_tokens, ns.iters, ns.reps) < 1:
         p.error("--tp, --pad-bs, --num-tokens, --iters and --reps must be at least 1")
     if not 0 <= ns.cap <= 128:
@@ -95,6 +107,54 @@ def make_shards(seed: int, rows: int, vocab: int, tp: int, dtype: str) -> list[n
     full = _random_logits(np.random.default_rng(seed), (rows, vocab), normalize_dtype(dtype))
     vs = vocab // tp
     return [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+
+
+# What ends at each phase mark of kernels/verify.cuh (dv_phase; the first mark of each
+# kernel is its start): the record kernel's marks DV_PH_REC + 1.., the combine's
+# DV_PH_COMB + 1.. A mark a row does not reach (the threshold of a temperature row, the
+# top-p step without top-p) is left out, its time counted in the next one reached.
+PH_REC, PH_COMB, PH_ALL = 0, 16, 32
+REC_PHASES = (
+    "pass 1 (the row's maximum) and the NaN vote",
+    "the block's first maximum",
+    "top-k: the candidates' threshold",
+    "top-k: pass 2 (the candidates)",
+    "logprobs: the sum of exp",
+    "the temperature pass or the top-k list",
+    "the header written",
+)
+COMB_PHASES = (
+    "record headers staged",
+    "rows decided (a warp each)",
+    "top-k: the slots chosen",
+    "top-k: stream keys, pool offsets",
+    "top-k: the pool filled",
+    "top-k: cuts (a thread per slot)",
+    "top-k: prefixes up to the cuts",
+    "top-k: prefix scan",
+    "top-k: ranks (the merge)",
+    "top-k: scores, masses",
+    "top-k: top-p masses",
+    "top-k: best kept entries",
+    "logprobs",
+    "accept chain, outputs",
+)
+
+
+def phase_table(samples: np.ndarray, base: int, names: tuple[str, ...], khz: float) -> str:
+    """The median cycles (and microseconds at ``khz``, the GPU's clock) from each reached
+    phase mark to the next one reached, over ``samples`` ``[runs, PH_ALL]`` of clock64
+    values (0: the mark was not reached in that run)."""
+    marks = samples[:, base : base + len(names) + 1].astype(np.int64)
+    reached = [j for j in range(marks.shape[1]) if np.all(marks[:, j] != 0)]
+    lines, total = [], 0.0
+    for a, b in itertools.pairwise(reached):
+        cyc = float(np.median(marks[:, b] - marks[:, a]))
+        total += cyc
+        lines.append(f"    {names[b - 1]:<46} {cyc:9.0f} cycles {cyc / khz * 1e3:8.2f} us")
+    tot = f"{total:9.0f} cycles {total / khz * 1e3:8.2f} us"
+    lines.append(f"    {'total (the first mark to the last)':<46} {tot}")
+    return "\n".join(lines)
 
 
 def _stats(us: list[float]) -> str:
@@ -253,6 +313,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dp_verify_combine, the whole batch ({pad_bs} requests, {tp} sources): "
           f"{_stats(timed(lambda: comb_k((pad_bs,), block, argsw)))}")  # fmt: skip
     print(f"times: {method['name']}")
+    if ns.phases:
+        from ipc_dpsample.kernel_cache import get_module
+
+        dev = cp.cuda.Device().id
+        mod = get_module("verify.cu", dev, ("-DDV_PHASE_CLOCKS",))
+        clocks = cp.ndarray((PH_ALL,), cp.uint64, memptr=mod.get_global("dv_phase_clock"))
+        khz = float(cp.cuda.runtime.getDeviceProperties(dev)["clockRate"])
+
+        def sample(fn: Any) -> np.ndarray:
+            out = []
+            for _ in range(ns.phases):
+                clocks.fill(0)
+                fn()
+                cp.cuda.Device().synchronize()
+                out.append(cp.asnumpy(clocks))
+            return np.stack(out)
+
+        rec_p, comb_p = mod.get_function(name), mod.get_function("dp_verify_combine")
+        print(f"phases (-DDV_PHASE_CLOCKS build, median of {ns.phases} launches, us at "
+              f"{khz / 1e3:.0f} MHz, the GPU's top clock):")  # fmt: skip
+        print(f"  {name}, one shard ({rows} rows), row 0:")
+        print(phase_table(sample(lambda: rec_p((rows,), block, rec_args(0))), PH_REC,
+                          REC_PHASES, khz))  # fmt: skip
+        print("  dp_verify_combine, the whole batch, request 0:")
+        print(phase_table(sample(lambda: comb_p((pad_bs,), block, argsw)), PH_COMB,
+                          COMB_PHASES, khz))  # fmt: skip
     return 0
 
 

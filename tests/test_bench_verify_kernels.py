@@ -33,6 +33,7 @@ def test_the_defaults_are_the_gated_bench_shape() -> None:
         (["--reps", "0"], "--iters and --reps must be at least 1"),
         (["--cap", "129"], "--cap 129; expected 0 (the largest top-k) or 1 to 128"),
         (["--mix", "nucleus"], "invalid choice: 'nucleus'"),
+        (["--phases", "-1"], "--phases -1; expected 0 (off) or the launches to sample"),
     ],
 )
 def test_a_bad_command_line_names_what_is_expected(
@@ -42,6 +43,23 @@ def test_a_bad_command_line_names_what_is_expected(
         bvk.parse_args(argv)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_phase_table_spans_reached_marks_and_skips_the_others() -> None:
+    # 3 runs; the combine's marks at PH_COMB: start, two phases reached, the third not
+    # (0 in every run), the fourth reached: its time runs from the last reached mark
+    samples = np.zeros((3, bvk.PH_ALL), np.uint64)
+    base = bvk.PH_COMB
+    for r, jitter in enumerate((0, 10, 20)):
+        samples[r, base : base + 5] = [1000, 1100 + jitter, 1400, 0, 2400]
+    names = ("first", "second", "third (not reached)", "fourth")
+    got = bvk.phase_table(samples, base, names, 1_000_000.0)  # 1 GHz: a cycle is 1 ns
+    lines = got.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["first", "second", "fourth", "total"]
+    assert lines[0].split()[1] == "110"  # the median of 100, 110, 120
+    assert lines[1].split()[1] == "290" and lines[2].split()[1] == "1000"
+    assert "third" not in got
+    assert lines[3].split()[-4:] == ["1400", "cycles", "1.40", "us"]
 
 
 def test_an_owner_receives_every_sources_rows_of_its_requests() -> None:
