@@ -15,6 +15,10 @@ on a peer, so ncu can profile each kernel alone (its duration is the kernel's co
     ncu --kernel-name dp_verify_combine --launch-skip 3 --launch-count 1 \\
         python3 scripts/bench_verify_kernels.py --mix topk50 --iters 5
 
+``--phases RUNS`` then says where each kernel's time goes: the kernels built with
+``-DDV_PHASE_CLOCKS`` record the SM clock at each phase mark of their first CTA, and the
+median cycles between marks over RUNS launches are printed (BENCHMARKS.md has a table).
+
 Every output is poisoned first and checked bit for bit against
 ``ipc_dpsample.layout.reference_verify_batch_vocab`` (the owners' launches: predict,
 accept_index, accept_length; the whole-batch launch numbers accept_index over the
