@@ -18,3 +18,14 @@ step() {  # step SECONDS LOGFILE COMMAND...
   echo "[rc=$rc at ${SECONDS}s] $*"
   tail -n 3 "$log"
 }
+# step_in TREE SECONDS LOGFILE COMMAND...: `step` run inside another exported tree (an A/B
+# of several commits in one device call: each `git archive` export carried as its own
+# folder, its commit in COMMIT), that tree's PYTHONPATH and GIT_COMMIT; the log stays
+# under this session's $out, and "LOGFILE TREE time" goes to $out/misc.log
+step_in() {
+  local tree=$1 t=$2 log=$3 here=$out; shift 3
+  case "$here" in /*) ;; *) here=$PWD/$here ;; esac
+  ( cd "$tree" && unset GIT_COMMIT && OUT=$here . scripts/device_steps.sh >/dev/null &&
+    step "$t" "$here/$log" "$@" )
+  echo "$log $tree $(date -u +%T)" >> "$here/misc.log"
+}
