@@ -99,8 +99,9 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
 CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
-#: the default build only: tests whose rows never reach the top-k candidates' capacity
-#: nor a wide shard's vector keys (what the other builds change)
+#: the default build only: tests of paths that the other builds do not change (the
+#: temperature queue) or whose top-k and first-pass variants other tests already run on
+#: every build (column blocks: the shard tests run the same selection at other offsets)
 DEFAULT_CAP_ONLY = pytest.mark.parametrize("lib", ["candidates"], indirect=True)
 
 
@@ -578,8 +579,7 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
 def test_column_blocks_combine_like_shards(lib: Any, splits: int) -> None:
     # small batches: the one-sided push splits each shard row into column blocks, one
     # record each (the last ones may be empty), and the owners combine tp * splits
-    # records per row; every mode, the three dtypes, vocab_limit cutting blocks (a block
-    # of at most 102 columns: the "small" candidate capacity would change nothing)
+    # records per row; every mode, the three dtypes, vocab_limit cutting blocks
     for k, (dtype, mode) in enumerate(
         [
             ("float32", "mixed"),
