@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,31 +48,18 @@ def test_kernel_compiles_without_warnings(source: Path | None, tmp_path: Path) -
         pytest.skip("nvcc not found on PATH (install the CUDA toolkit to compile the kernels)")
     if source is None:
         pytest.skip(f"no kernels/*.cu in {KERNEL_DIR}")
-    todo = list(JOBS)  # the cubin (the longest) first
-    running: list[tuple[list[str], Path, subprocess.Popen[bytes]]] = []
-    try:
-        while todo or running:
-            while todo and len(running) < PARALLEL:
-                arch, knobs, kind = todo.pop(0)
-                out = tmp_path / f"{source.stem}.{arch}.{knobs}.{kind}"
-                cmd = [NVCC, f"-arch={arch}", "-std=c++17", *KNOBS[knobs], "-Werror",
-                       "all-warnings", "-I", str(KERNEL_DIR), f"-{kind}", str(source), "-o",
-                       str(out)]  # fmt: skip
-                log = out.with_suffix(".log").open("w")  # (a pipe could fill and block)
-                with log:
-                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-                running.append((cmd, out, proc))
-            done = [r for r in running if r[2].poll() is not None]
-            if not done:  # (pytest-timeout bounds the test)
-                time.sleep(0.2)
-                continue
-            for cmd, out, proc in done:
-                running.remove((cmd, out, proc))
-                text = out.with_suffix(".log").read_text(errors="replace")
-                assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{text}"
-                assert out.stat().st_size > 0
-    finally:
-        for _, _, proc in running:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    nvcc, src = NVCC, source
+
+    def compile_one(job: tuple[str, str, str]) -> tuple[list[str], Path, int, str]:
+        arch, knobs, kind = job
+        out = tmp_path / f"{src.stem}.{arch}.{knobs}.{kind}"
+        cmd = [nvcc, f"-arch={arch}", "-std=c++17", *KNOBS[knobs], "-Werror", "all-warnings",
+               "-I", str(KERNEL_DIR), f"-{kind}", str(src), "-o", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return cmd, out, proc.returncode, proc.stdout + proc.stderr
+
+    with ThreadPoolExecutor(PARALLEL) as pool:  # the cubin (the longest) starts first
+        results = list(pool.map(compile_one, JOBS))
+    for cmd, out, rc, text in results:
+        assert rc == 0, f"{' '.join(cmd)} failed:\n{text}"
+        assert out.stat().st_size > 0
