@@ -1,7 +1,7 @@
 """Every CUDA source in ``kernels/`` compiles with ``nvcc`` for sm_90 and sm_80 with the
 default compile-time knobs and for sm_90 with other knobs, all warnings as errors (no GPU
-needed; skipped where nvcc is absent). The device code only (``-cubin`` or ``-ptx``): the package
-builds these sources with NVRTC, which has no host pass; two compiles run at once."""
+needed; skipped where nvcc is absent). The device code only (``-cubin`` or ``-ptx``): the
+package builds these sources with NVRTC, which has no host pass; two compiles run at once."""
 
 from __future__ import annotations
 

@@ -513,7 +513,7 @@ def test_temperature_queues_on_wide_shards(lib: Any, block: int) -> None:
         )
 
 
-#: every build at block 32; the "small" capacity, whose case is block 32's overflow, not at 256
+#: block 32 on every build; block 256 on all but "small" (whose case is block 32's overflow)
 @pytest.mark.parametrize(
     ("lib", "block"),
     [("candidates", 32), ("candidates", 256), ("row-passes", 32), ("row-passes", 256),
