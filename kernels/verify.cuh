@@ -544,8 +544,16 @@ struct DvRowQueueShared {
 
 // ... and with them: a row takes either the temperature path or the top-k selection,
 // so the queue and the selection share their bytes (static shared memory <= 48 KB).
+#ifndef DV_VKEY_CAP
+#define DV_VKEY_CAP 6144  // vectors of a top-k row whose keys the first pass keeps (12 KB)
+#endif
+#if DV_VKEY_CAP % 4 != 0
+#error "DV_VKEY_CAP must be a multiple of 4"
+#endif
 struct DvRecordShared {
   DvRowShared row;
+  // a top-k row's vector keys (dv_vector_key), for its first DV_VKEY_CAP vectors
+  alignas(16) unsigned short vkey[DV_VKEY_CAP > 0 ? DV_VKEY_CAP : 4];
   union {
     DvQueue q;
     DvTopKShared k;
@@ -572,6 +580,14 @@ struct DvRowSource {
 // gives a NaN).
 __device__ __forceinline__ float dv_key_value(unsigned key) {
   return argmax_u2f((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// A 16-byte vector's key for the top-k pass: the upper 16 bits of the order key of its
+// maximum (no NaN in the vector). Every column x of the vector has
+// dv_order_key(x) >> 16 <= this, so a column at or above a threshold key thr lies only in
+// a vector whose key is at or above thr >> 16.
+__device__ __forceinline__ unsigned short dv_vector_key(float vmax) {
+  return (unsigned short)(dv_order_key(vmax) >> 16);
 }
 
 // The candidates gathered in shared memory (any order).
@@ -770,9 +786,16 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
 // thread visits its columns in increasing order (a scalar head, 16-byte vectors in
 // rounds of DV_MAX_UNROLL loads, a scalar tail) and compares each vector's maximum with
 // m once: the first column of the vector that holds it when it is larger.
-template <typename Tag>
+//
+// With kKeys, vector i (of the 16-byte vectors after the head) for i < min(nvec, nkeys)
+// also leaves the upper 16 bits of its maximum's order key in vkey[i] (dv_vector_key): the
+// top-k pass then reads again only the vectors that can hold a candidate
+// (dv_row_topk_gather).
+template <typename Tag, bool kKeys = false>
 __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, unsigned ncols,
-                                           float& m, unsigned& mc) {
+                                           float& m, unsigned& mc,
+                                           unsigned short* vkey = nullptr,
+                                           unsigned nkeys = 0u) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   constexpr unsigned U = DV_MAX_UNROLL;
@@ -811,6 +834,9 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
           nn |= xs[j] != xs[j];
         }
         nan |= nn;
+        if constexpr (kKeys) {
+          if (v + u * B < nkeys) vkey[v + u * B] = dv_vector_key(vm);
+        }
         if (vm > m) {  // rare after the first vectors
           unsigned j = E - 1;
           float xj = xs[E - 1];
@@ -864,13 +890,17 @@ __device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my
 }
 
 // Pass 2 of a top-k row without NaN: every column whose order key is at or above thr
-// (dv_topk_threshold) into the candidates in shared memory, any order; each warp reserves
+// (dv_topk_threshold) into the candidates in shared memory, any order. The first nkeys
+// vectors after the head have their keys in sh.vkey (dv_row_max): only those whose key is
+// at or above thr >> 16 are read again (a few on random rows), each candidate taking its
+// slot with its own atomic. The other columns are read again in full, each warp reserving
 // its slots with one atomic, and only when one of its lanes has such a column in the
 // vector. sh.k.n_cand must be 0 on entry and visible to every thread. Returns false when
 // they overflowed DV_CAND_CAP (many equal values): the caller selects over the row.
 template <typename Tag>
 __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned ncols,
-                                   unsigned col0, unsigned thr, DvRecordShared& sh) {
+                                   unsigned col0, unsigned thr, DvRecordShared& sh,
+                                   unsigned nkeys) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
@@ -899,8 +929,37 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  // thr 0 (every column passes) reads the row in full
+  const unsigned nk = thr == 0u ? 0u : (nkeys < nvec ? nkeys : nvec);
+  // the kept keys, 4 vectors a thread per 8-byte shared load
+  const unsigned t16 = thr >> 16;
+  for (unsigned g = t; 4u * g < nk; g += B) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+    dv_u64 k4 = 0;
+    for (unsigned j = 0; j < 4u; ++j) k4 |= (dv_u64)sh.vkey[4u * g + j] << (16u * j);
+#else
+    const dv_u64 k4 = *reinterpret_cast<const dv_u64*>(sh.vkey + 4u * g);  // (little-endian)
+#endif
+#pragma unroll
+    for (unsigned j = 0; j < 4u; ++j) {
+      const unsigned v = 4u * g + j;
+      if (v < nk && ((unsigned)(k4 >> (16u * j)) & 0xFFFFu) >= t16) {  // rare
+        float xs[E];
+        ArgmaxUnpack<Tag>::run(argmax_load16(vp + v), xs);
+#pragma unroll
+        for (unsigned e = 0; e < E; ++e) {
+          if (xs[e] >= tv) {
+            const unsigned slot = atomicAdd(&sh.k.n_cand, 1u);
+            if (slot < DV_CAND_CAP)
+              sh.k.cand[slot] =
+                  ((dv_u64)dv_order_key(xs[e]) << 32) | (dv_u64)(~(col0 + head + v * E + e));
+          }
+        }
+      }
+    }
+  }
   constexpr unsigned G = 2;  // loads per thread and round
-  for (unsigned v0 = 0; v0 < nvec; v0 += G * B) {  // uniform trip count (warp votes)
+  for (unsigned v0 = nk; v0 < nvec; v0 += G * B) {  // uniform trip count (warp votes)
     const unsigned v = v0 + t;
     ArgmaxVec16 raw[G];
 #pragma unroll
@@ -1185,7 +1244,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
   unsigned mc;
-  const bool saw_nan = dv_row_max<Tag>(row, ncols, m, mc);
+  const bool saw_nan = dv_row_max<Tag, kList>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
+                                              list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   dv_phase(DV_PH_REC + 1);  // pass 1
@@ -1216,7 +1276,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
       const unsigned thr =
           dv_topk_threshold(rs.red, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
       dv_phase(DV_PH_REC + 3);
-      gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls);
+      gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls, DV_VKEY_CAP);
       dv_phase(DV_PH_REC + 4);  // pass 2
     }
   }

@@ -96,8 +96,12 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: the tests' wide shards overflow only when the threshold is loose (partial warps, small
 #: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
 #: twice more would slow CI). The two small ones also build the first pass with one and
-#: with four vectors per round (``DV_MAX_UNROLL``; the default is two).
+#: with four vectors per round (``DV_MAX_UNROLL``; the default is two), and keep the
+#: vector keys of only the first few vectors of a top-k row (``DV_VKEY_CAP``: the
+#: candidates of the rest come from a full second read, as on shards wider than the
+#: default 6144 vectors).
 CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
+VKEY_CAPS = {"small": 40, "row-passes": 8}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change (the
 #: temperature queue) or whose top-k and first-pass variants other tests already run on
@@ -121,7 +125,13 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cap = CAND_CAPS[name]
     unroll = 4 if cap is not None and cap < 64 else 1
-    flags = () if cap is None else (f"-DDV_CAND_CAP={cap}", f"-DDV_MAX_UNROLL={unroll}")
+    flags: tuple[str, ...] = ()
+    if cap is not None:
+        flags = (
+            f"-DDV_CAND_CAP={cap}",
+            f"-DDV_MAX_UNROLL={unroll}",
+            f"-DDV_VKEY_CAP={VKEY_CAPS[request.param]}",
+        )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
     u, i, c = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint
