@@ -547,6 +547,12 @@ struct DvRowQueueShared {
 #ifndef DV_VKEY_CAP
 #define DV_VKEY_CAP 6144  // vectors of a top-k row whose keys the first pass keeps (12 KB)
 #endif
+#ifndef DV_VLIST
+#define DV_VLIST (2048 / DV_WARPS)  // a warp's list of vectors to read again (histogram words)
+#endif
+#if DV_VLIST * DV_WARPS > 2048
+#error "DV_VLIST * DV_WARPS must fit the top-k histogram (2048 words)"
+#endif
 #if DV_VKEY_CAP % 4 != 0
 #error "DV_VKEY_CAP must be a multiple of 4"
 #endif
@@ -930,32 +936,51 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   // thr 0 (every column passes) reads the row in full
-  const unsigned nk = thr == 0u ? 0u : (nkeys < nvec ? nkeys : nvec);
-  // the kept keys, 4 vectors a thread per 8-byte shared load
-  const unsigned t16 = thr >> 16;
-  for (unsigned g = t; 4u * g < nk; g += B) {
-#ifdef DP_ARGMAX_CPU_EMULATION
+  unsigned nk = thr == 0u ? 0u : (nkeys < nvec ? nkeys : nvec);
+  // the kept keys, 4 vectors a thread per 8-byte shared load: each warp first lists the
+  // vectors whose key passes (a ballot per key slot, no load; in the histogram's words,
+  // unused until a select over the row), then reads its whole list at once, a vector a
+  // lane (was: each lane's vectors behind a branch, one L2 round trip per distinct place
+  // of the warp's lanes, in turn). A list that overflows: the row is read in full.
+  const unsigned t16 = thr >> 16, wid = t >> 5;
+  constexpr unsigned L = DV_VLIST;  // list entries a warp
+  unsigned* wl = sh.k.hist + wid * L;
+  unsigned nl = 0;  // (uniform over the warp)
+  const unsigned ng = (nk + 3u) / 4u;
+  for (unsigned g0 = 0; g0 < ng; g0 += B) {  // uniform trip count (warp votes)
+    const unsigned g = g0 + t;
     dv_u64 k4 = 0;
-    for (unsigned j = 0; j < 4u; ++j) k4 |= (dv_u64)sh.vkey[4u * g + j] << (16u * j);
+    if (g < ng) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+      for (unsigned j = 0; j < 4u; ++j) k4 |= (dv_u64)sh.vkey[4u * g + j] << (16u * j);
 #else
-    const dv_u64 k4 = *reinterpret_cast<const dv_u64*>(sh.vkey + 4u * g);  // (little-endian)
+      k4 = *reinterpret_cast<const dv_u64*>(sh.vkey + 4u * g);  // (little-endian)
 #endif
+    }
 #pragma unroll
     for (unsigned j = 0; j < 4u; ++j) {
       const unsigned v = 4u * g + j;
-      if (v < nk && ((unsigned)(k4 >> (16u * j)) & 0xFFFFu) >= t16) {  // rare
-        float xs[E];
-        ArgmaxUnpack<Tag>::run(argmax_load16(vp + v), xs);
+      const bool pass = g < ng && v < nk && ((unsigned)(k4 >> (16u * j)) & 0xFFFFu) >= t16;
+      const unsigned mask = __ballot_sync(DV_FULL, pass);
+      const unsigned at = nl + (unsigned)__popc(mask & ((1u << lane) - 1u));
+      if (pass && at < L) wl[at] = v;
+      nl += (unsigned)__popc(mask);
+    }
+  }
+  if (dv_block_min(sh.row.red, nl > L ? 0u : 1u) == 0u) {
+    nk = 0;  // some warp's list overflowed (uniform over the block)
+  } else {
+    __syncwarp();
+    for (unsigned i0 = 0; i0 < nl; i0 += 32u) {  // uniform over the warp
+      const unsigned i = i0 + lane;
+      const unsigned v = i < nl ? wl[i] : 0u;
+      ArgmaxVec16 raw;
+      raw.w[0] = raw.w[1] = raw.w[2] = raw.w[3] = 0u;
+      if (i < nl) raw = argmax_load16(vp + v);
+      float xs[E];
+      ArgmaxUnpack<Tag>::run(raw, xs);
 #pragma unroll
-        for (unsigned e = 0; e < E; ++e) {
-          if (xs[e] >= tv) {
-            const unsigned slot = atomicAdd(&sh.k.n_cand, 1u);
-            if (slot < DV_CAND_CAP)
-              sh.k.cand[slot] =
-                  ((dv_u64)dv_order_key(xs[e]) << 32) | (dv_u64)(~(col0 + head + v * E + e));
-          }
-        }
-      }
+      for (unsigned e = 0; e < E; ++e) visit(xs[e], head + v * E + e, i < nl);
     }
   }
   constexpr unsigned G = 2;  // loads per thread and round

@@ -99,9 +99,12 @@ extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out)
 #: with four vectors per round (``DV_MAX_UNROLL``; the default is two), and keep the
 #: vector keys of only the first few vectors of a top-k row (``DV_VKEY_CAP``: the
 #: candidates of the rest come from a full second read, as on shards wider than the
-#: default 6144 vectors).
+#: default 6144 vectors)
 CAND_CAPS = {"candidates": None, "small": 320, "row-passes": 16}
-VKEY_CAPS = {"small": 40, "row-passes": 8}
+VKEY_CAPS = {"small": 200, "row-passes": 8}
+#: ... and a warp's list of the vectors to read again so short that wide shards overflow
+#: it (then the row is read again in full)
+VLISTS = {"small": 2, "row-passes": 1}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change (the
 #: temperature queue) or whose top-k and first-pass variants other tests already run on
@@ -131,6 +134,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_CAND_CAP={cap}",
             f"-DDV_MAX_UNROLL={unroll}",
             f"-DDV_VKEY_CAP={VKEY_CAPS[request.param]}",
+            f"-DDV_VLIST={VLISTS[request.param]}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
