@@ -588,12 +588,18 @@ __device__ __forceinline__ float dv_key_value(unsigned key) {
   return argmax_u2f((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
-// A 16-byte vector's key for the top-k pass: the upper 16 bits of the order key of its
-// maximum (no NaN in the vector). Every column x of the vector has
-// dv_order_key(x) >> 16 <= this, so a column at or above a threshold key thr lies only in
-// a vector whose key is at or above thr >> 16.
+// A 16-byte vector's key for the top-k pass, as the first pass keeps it: the upper 16
+// bits of its maximum's float bits (one shift a vector) ...
 __device__ __forceinline__ unsigned short dv_vector_key(float vmax) {
-  return (unsigned short)(dv_order_key(vmax) >> 16);
+  return (unsigned short)(argmax_f2u(vmax) >> 16);
+}
+// ... and as the second pass reads it: the upper 16 bits of the maximum's order key
+// (dv_order_key >> 16: sign flipped for a positive value, every bit for a negative one,
+// -0 as +0). Every column x of the vector (no NaN) has dv_order_key(x) >> 16 <= this, so
+// a column at or above a threshold key thr lies only in a vector whose key is at or
+// above thr >> 16.
+__device__ __forceinline__ unsigned dv_vector_order_key(unsigned h) {
+  return (h & 0x8000u) ? (h == 0x8000u ? 0x8000u : (~h & 0xFFFFu)) : (h | 0x8000u);
 }
 
 // The candidates gathered in shared memory (any order).
@@ -794,9 +800,8 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
 // m once: the first column of the vector that holds it when it is larger.
 //
 // With kKeys, vector i (of the 16-byte vectors after the head) for i < min(nvec, nkeys)
-// also leaves the upper 16 bits of its maximum's order key in vkey[i] (dv_vector_key): the
-// top-k pass then reads again only the vectors that can hold a candidate
-// (dv_row_topk_gather).
+// also leaves the upper 16 bits of its maximum in vkey[i] (dv_vector_key): the top-k pass
+// then reads again only the vectors that can hold a candidate (dv_row_topk_gather).
 template <typename Tag, bool kKeys = false>
 __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, unsigned ncols,
                                            float& m, unsigned& mc,
@@ -959,7 +964,8 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
 #pragma unroll
     for (unsigned j = 0; j < 4u; ++j) {
       const unsigned v = 4u * g + j;
-      const bool pass = g < ng && v < nk && ((unsigned)(k4 >> (16u * j)) & 0xFFFFu) >= t16;
+      const unsigned h = (unsigned)(k4 >> (16u * j)) & 0xFFFFu;
+      const bool pass = g < ng && v < nk && dv_vector_order_key(h) >= t16;
       const unsigned mask = __ballot_sync(DV_FULL, pass);
       const unsigned at = nl + (unsigned)__popc(mask & ((1u << lane) - 1u));
       if (pass && at < L) wl[at] = v;

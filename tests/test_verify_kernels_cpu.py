@@ -87,6 +87,12 @@ extern "C" void emu_mass(const float* z, i64 count, double* grp, i64* a) {
 extern "C" void emu_threshold(const float* p, const i64* w, i64 count, i64* out) {
   for (i64 i = 0; i < count; ++i) out[i] = dv_top_p_threshold(p[i], w[i]);
 }
+extern "C" void emu_vector_keys(const float* x, i64 count, unsigned* kept, unsigned* read) {
+  for (i64 i = 0; i < count; ++i) {
+    kept[i] = dv_vector_key(x[i]);
+    read[i] = dv_vector_order_key(kept[i]);
+  }
+}
 """
 )
 
@@ -146,6 +152,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     lib.emu_stream_key.argtypes = [i, i, c, u]
     lib.emu_mass.argtypes = [u, i, u, u]
     lib.emu_threshold.argtypes = [u, u, i, u]
+    lib.emu_vector_keys.argtypes = [u, i, u, u]
     return lib
 
 
@@ -394,6 +401,34 @@ def test_noise_and_stream_key_match_layout(lib: Any) -> None:
         noise = np.zeros(len(ids), np.float32)
         lib.emu_noise(int(out[0]), _addr(ids), len(ids), _addr(noise))
         assert np.array_equal(noise.view(np.int32), gumbel_noise(out[0], ids).view(np.int32))
+
+
+def test_vector_keys_never_fall_below_the_order_key(lib: Any) -> None:
+    # the top-k pass reads a vector again when its kept key (the upper 16 bits of its
+    # maximum) reads at or above the threshold's upper 16 bits: the read key must be at
+    # least dv_order_key(max) >> 16 (-0 as +0), and equal to it but for the negative
+    # values whose upper bits are -0's (tiny negatives read as -0: only more reads)
+    g = np.random.default_rng(29)
+    bits = np.concatenate(
+        [
+            g.integers(0, 2**32, 20000, dtype=np.uint64),
+            [0, 0x80000000, 0x80000001, 0x8000FFFF, 0x00000001, 0x7F7FFFFF, 0xFF7FFFFF],
+            [0x7F800000, 0xFF800000, 0x3F800000, 0xBF800000, 0x80010000, 0x0000FFFF],
+        ]
+    ).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[~np.isnan(x)]
+    kept = np.zeros(len(x), np.uint32)
+    read = np.zeros(len(x), np.uint32)
+    lib.emu_vector_keys(_addr(x), len(x), _addr(kept), _addr(read))
+    u = x.view(np.uint32).astype(np.uint64)
+    u = np.where(u == 0x80000000, 0, u)  # -0 as +0
+    want = (np.where(u & 0x80000000, ~u & 0xFFFFFFFF, u | 0x80000000) >> 16).astype(np.uint32)
+    assert np.array_equal(kept, (x.view(np.uint32) >> 16).astype(np.uint32))
+    assert (read >= want).all()
+    loose = read != want
+    assert np.array_equal(loose, (kept == 0x8000) & (x < 0))
+    assert loose.any()  # the case is in the data
 
 
 def test_mass_terms_and_threshold_match_layout(lib: Any) -> None:
