@@ -139,8 +139,8 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         flags = (
             f"-DDV_CAND_CAP={cap}",
             f"-DDV_MAX_UNROLL={unroll}",
-            f"-DDV_VKEY_CAP={VKEY_CAPS[request.param]}",
-            f"-DDV_VLIST={VLISTS[request.param]}",
+            f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
+            f"-DDV_VLIST={VLISTS[name]}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
