@@ -905,8 +905,9 @@ __device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my
 // vectors after the head have their keys in sh.vkey (dv_row_max): only those whose key is
 // at or above thr >> 16 are read again (a few on random rows). The other columns are
 // read again in full. Either way each warp reserves its slots with one atomic, and only
-// when one of its lanes has such a column in the vector. sh.k.n_cand must be 0 on entry and visible to every thread. Returns false when
-// they overflowed DV_CAND_CAP (many equal values): the caller selects over the row.
+// when one of its lanes has such a column in the vector. sh.k.n_cand must be 0 on entry
+// and visible to every thread. Returns false when they overflowed DV_CAND_CAP (many equal
+// values): the caller selects over the row.
 template <typename Tag>
 __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned ncols,
                                    unsigned col0, unsigned thr, DvRecordShared& sh,
