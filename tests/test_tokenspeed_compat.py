@@ -1,7 +1,8 @@
 """TokenSpeed drop-in behaviour (issue 16), on CPU ranks over gloo: the lazy dtype,
 prepare_verify_outputs' first-dtype-wins rule, gather-only communicators, the
 ``fallback_comm_backend`` object (one call of it per op), and the free function
-``swap_batch_vocab``. Runs self-spawned, under torchrun and under mpirun."""
+``swap_batch_vocab``. Runs self-spawned (the three bodies one after another on one
+spawned world of two ranks, :mod:`_shared_world`), under torchrun and under mpirun."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _shared_world import SharedWorlds
 
 from ipc_dpsample import DpSamplingComm, DtypeMismatchError, swap_batch_vocab
 from ipc_dpsample.layout import reference_gather, reference_swap_batch_vocab
-from ipc_dpsample.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -87,7 +88,7 @@ def lazy_dtype_body(rank: int, tp: int, group: Any) -> bool:
 
 
 def test_lazy_dtype_prepare_and_gather_only_comms() -> None:
-    assert run_ranks(2, lazy_dtype_body) in ([True, True], [True])
+    assert WORLDS.results(2, "lazy_dtype") in ([True, True], [True])
 
 
 def fallback_body(rank: int, tp: int, group: Any) -> list[str]:
@@ -133,8 +134,7 @@ def fallback_body(rank: int, tp: int, group: Any) -> list[str]:
 
 
 def test_fallback_comm_backend_moves_every_op_in_one_call() -> None:
-    out = run_ranks(2, fallback_body)
-    for calls in out:
+    for calls in WORLDS.results(2, "fallback"):
         assert calls.count("all_gather_into_tensor") == 3 and calls.count("all_to_all_single") == 2
 
 
@@ -164,4 +164,16 @@ def free_function_body(rank: int, tp: int, group: Any) -> bool:
 
 
 def test_free_function_swap_batch_vocab_matches_the_reference() -> None:
-    assert all(run_ranks(2, free_function_body))
+    assert all(WORLDS.results(2, "free_function"))
+
+
+#: The bodies above, in file order, on one world of two ranks.
+WORLDS = SharedWorlds(
+    {
+        2: [
+            ("lazy_dtype", lazy_dtype_body, ()),
+            ("fallback", fallback_body, ()),
+            ("free_function", free_function_body, ()),
+        ]
+    }
+)

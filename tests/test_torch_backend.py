@@ -1,10 +1,12 @@
 """The torch backend over gloo with several ranks: bit-exact against the NumPy reference,
 config and runtime mismatches raise on every rank.
 
-Each test spawns its ranks once (plain pytest) and batches many cases into that run;
-the same file runs unchanged on the launched ranks under
-``torchrun --nproc-per-node K -m pytest`` and ``mpirun -np K python -m pytest``
-(tests needing more ranks than were launched skip).
+The bodies of one world size run one after another on one spawned world, shared by the
+tests of that size (:mod:`_shared_world`; each spawned rank's start costs about 2 s of
+a CI core), and batch many cases each; the same file runs unchanged on the launched
+ranks under ``torchrun --nproc-per-node K -m pytest`` and ``mpirun -np K python -m
+pytest`` (tests needing more ranks than were launched skip). The tests that kill a rank
+or read a world's stderr spawn worlds of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import _bodies
 import pytest
+from _shared_world import SharedWorlds
 
 from ipc_dpsample.launch import launched_world
 from ipc_dpsample.testing import RankFailure, run_ranks
@@ -22,86 +25,103 @@ pytestmark = pytest.mark.multirank
 
 SEED = 20261202
 
-
-def _ranks_ran(results: list, world: int) -> list:
-    """Results of the ranks this process saw: all of them when spawned, this rank's
-    own (or none, if it sat out) when launched."""
-    assert len(results) in (0, 1, world), results
-    return results
+#: Every shared world's bodies, in the order they run.
+WORLDS = SharedWorlds(
+    {
+        1: [
+            ("real_rows", _bodies.torch_real_rows, (SEED + 13,)),
+            ("argmax", _bodies.torch_argmax, (SEED + 14,)),
+        ],
+        2: [
+            ("matrix", _bodies.torch_matrix, (SEED + 2,)),
+            ("runtime_pad_bs", _bodies.runtime_mismatch_pad_bs, ()),
+            ("config_fields", _bodies.config_mismatch_fields, (1,)),
+            ("config_tp", _bodies.config_mismatch_tp, ()),
+            ("real_rows", _bodies.torch_real_rows, (SEED + 13,)),
+            ("argmax", _bodies.torch_argmax, (SEED + 14,)),
+            ("divergence", _bodies.torch_divergence_bs_and_argmax, ()),
+            ("stalled", _bodies.torch_stalled_peer, ()),
+            ("c10d_failure", _bodies.torch_wrapped_c10d_failure, ()),
+            # last: a process group backend that aborts on mismatched collectives would
+            # take the ranks down with it
+            ("runtime_op", _bodies.runtime_mismatch_op, ()),
+        ],
+        3: [
+            ("matrix", _bodies.torch_matrix, (SEED + 3,)),
+            ("config_fields", _bodies.config_mismatch_fields, (1,)),
+            ("real_rows", _bodies.torch_real_rows, (SEED + 13,)),
+            ("argmax", _bodies.torch_argmax, (SEED + 14,)),
+        ],
+        4: [
+            ("matrix", _bodies.torch_matrix, (SEED + 4,)),
+            ("subgroups", _bodies.overlapping_subgroups, (SEED,)),
+            ("argmax", _bodies.torch_argmax, (SEED + 14,)),
+        ],
+    }
+)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_random_data_all_dtypes_n_pad_bs_and_50_alternating_ops(world: int) -> None:
-    results = _ranks_ran(run_ranks(world, _bodies.torch_matrix, SEED + world), world)
-    for counts in results:
+    for counts in WORLDS.results(world, "matrix"):
         # 3 dtypes x 2 N x 3 pad_bs x 3 ops; 50 alternating; 6 rounds x 6 ops on two comms
         assert counts == {"matrix": 54, "alternating": 50, "two_comms": 36}, counts
 
 
 def test_runtime_pad_bs_mismatch_raises_on_every_rank() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_pad_bs), 2)
-    for messages in results:
+    for messages in WORLDS.results(2, "runtime_pad_bs"):
         assert len(messages) == 3
 
 
-@pytest.mark.parametrize(("world", "odd_rank"), [(2, 1), (3, 1)])
-def test_config_mismatch_of_each_field_raises_on_every_rank(world: int, odd_rank: int) -> None:
-    results = _ranks_ran(run_ranks(world, _bodies.config_mismatch_fields, odd_rank), world)
-    for messages in results:
+@pytest.mark.parametrize("world", [2, 3])  # rank 1 differs
+def test_config_mismatch_of_each_field_raises_on_every_rank(world: int) -> None:
+    for messages in WORLDS.results(world, "config_fields"):
         assert {"max_pad_bs", "num_tokens_per_req", "version", "record:magic"} <= set(messages)
 
 
 def test_config_mismatch_of_tp_size_raises_on_every_rank() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.config_mismatch_tp, timeout_s=90), 2)
-    for message in results:
+    for message in WORLDS.results(2, "config_tp"):
         assert "tp_size" in message
 
 
 def test_communicators_on_overlapping_subgroups() -> None:
-    results = _ranks_ran(run_ranks(4, _bodies.overlapping_subgroups, SEED, timeout_s=60), 4)
+    results = WORLDS.results(4, "subgroups")
     for rank, joined in enumerate(results if len(results) == 4 else []):
         assert joined == [tuple(g) for g in _bodies.SUBGROUPS if rank in g]
 
 
-# last: a process group backend that aborts on mismatched collectives would take the
-# launched ranks down with it
 def test_runtime_op_mismatch_raises_on_every_rank() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.runtime_mismatch_op), 2)
-    for messages in results:
+    for messages in WORLDS.results(2, "runtime_op"):
         assert len(messages) == 6
 
 
 # -- issue 13 / 14: real rows and argmax, the backend called with RealRows ----------------
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_real_rows_of_every_op_match_the_reference(world: int) -> None:
-    results = _ranks_ran(run_ranks(world, _bodies.torch_real_rows, SEED + 13), world)
-    for checked in results:
+    for checked in WORLDS.results(world, "real_rows"):
         assert checked == 24, checked  # 2 dtypes x 12 (pad_bs, bs) cases
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_argmax_batch_vocab_matches_the_reference(world: int) -> None:
-    results = _ranks_ran(run_ranks(world, _bodies.torch_argmax, SEED + 14), world)
-    for checked in results:
+    for checked in WORLDS.results(world, "argmax"):
         assert checked >= 3 * 2 * 3, checked  # 3 dtypes x >= 3 vocab limits x 2 (bs)
 
 
 def test_different_bs_or_op_raises_on_every_rank() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.torch_divergence_bs_and_argmax), 2)
-    for messages in results:
+    for messages in WORLDS.results(2, "divergence"):
         assert len(messages) == 4, messages
 
 
 # -- issue 15: bounded waits ---------------------------------------------------------------
 def test_stalled_peer_raises_peer_timeout_naming_it() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.torch_stalled_peer, timeout_s=90), 2)
+    results = WORLDS.results(2, "stalled")
     if len(results) == 2:
         assert [r["type"] for r in results] == ["PeerTimeoutError", "DpSampleError"], results
 
 
 def test_wrapped_c10d_failure_is_a_dp_sample_error_with_cause() -> None:
-    results = _ranks_ran(run_ranks(2, _bodies.torch_wrapped_c10d_failure, timeout_s=60), 2)
-    for message in results:
+    for message in WORLDS.results(2, "c10d_failure"):
         assert "every peer took part" in message, message
 
 
