@@ -1,36 +1,52 @@
 """``verify_batch_vocab`` on the torch backend over gloo with several ranks: every
 rank's results equal :func:`ipc_dpsample.layout.reference_verify_batch_vocab` bit for
 bit (predict, accept_index, accept_length; logprobs within 1 float32 ulp) for tp in
-{1, 2, 3, 4} and one tp = 8 world, every dtype and filter, mixed rows, special rows,
-``bs < pad_bs``, ``vocab_limit < V``, the probe and full-row rounds, N = 1; the same
-tokens whatever tp; ranks that pass different arguments raise on every rank.
+{1, 2, 3, 4}, every dtype and filter, mixed rows, special rows, ``bs < pad_bs``,
+``vocab_limit < V``, the probe and full-row rounds, N = 1; the same tokens whatever tp;
+ranks that pass different arguments raise on every rank.
 
-Each test spawns its ranks once (plain pytest) and batches its cases into that run; the
-same file runs unchanged on the launched ranks under ``torchrun --nproc-per-node 2 -m
-pytest`` and ``mpirun -np 2 python -m pytest`` (tests needing more ranks skip).
+No tp = 8 world (8 ranks on CI's 2 cores cost about 16 s): the backend's host algorithm
+at tp = 8 is :mod:`ipc_dpsample.verify_shards`'s, checked at tp 8 against the reference
+in ``tests/test_verify_shards.py``, and its all-gather over 8 ranks is the same code as
+over 4 (tp = 4 here, where whole shards past ``vocab_limit`` and ranks holding only
+phantom requests occur too).
+
+The bodies of one world size run one after another on one spawned world, shared by the
+tests of that size (:mod:`_shared_world`), and batch their cases; the same file runs
+unchanged on the launched ranks under ``torchrun --nproc-per-node 2 -m pytest`` and
+``mpirun -np 2 python -m pytest`` (tests needing more ranks skip).
 """
 
 from __future__ import annotations
 
 import _verify_bodies as bodies
 import pytest
-
-from ipc_dpsample.testing import run_ranks
+from _shared_world import SharedWorlds
 
 pytestmark = pytest.mark.multirank
 
 SEED = 20261224
 
-
-def _ranks_ran(results: list, world: int) -> list:
-    """Every rank's result when spawned; this rank's own (or none) when launched."""
-    assert len(results) in (0, 1, world), results
-    return results
+#: Every shared world's bodies, in the order they run.
+WORLDS = SharedWorlds(
+    {
+        world: [("matrix", bodies.verify_matrix, (SEED + world,))]
+        + (
+            [
+                ("mismatch", bodies.verify_mismatch, ()),
+                ("fallback", bodies.fallback_verify, (SEED + 40 + world,)),
+            ]
+            if world in (2, 3)
+            else []
+        )
+        for world in (1, 2, 3, 4)
+    }
+)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_verify_matches_the_reference(world: int) -> None:
-    results = _ranks_ran(run_ranks(world, bodies.verify_matrix, SEED + world), world)
+    results = WORLDS.results(world, "matrix")
     want = bodies.cross_tp_expected(SEED + world)
     for got in results:
         # 3 dtypes x 8 cases + greedy-vs-argmax; N = 1 x 3; the full-row fallback
@@ -41,27 +57,19 @@ def test_verify_matches_the_reference(world: int) -> None:
         assert all(r == results[0] for r in results), results
 
 
-def test_verify_tp8_matches_the_reference() -> None:
-    results = _ranks_ran(run_ranks(8, bodies.verify_matrix, SEED, True, timeout_s=300), 8)
-    want = bodies.cross_tp_expected(SEED)
-    for got in results:
-        assert got["cases"] == 2 * 2 + 1, got
-        assert got["cross"] == want, "the tokens depend on tp"
-
-
 def test_cross_tp_tokens_are_the_full_row_reference_for_every_split() -> None:
-    """The same seeds give the same tokens at tp 1, 2, 3, 4 and 8: each split's
-    cross-tp tokens equal the unsplit rows' (checked in the worlds above), so they
-    equal each other; here the expectation itself is sampled and not degenerate."""
-    predict, length = bodies.cross_tp_expected(SEED)
-    assert len(set(predict)) > len(predict) // 4, predict
-    assert len(length) == bodies.CROSS_PAD_BS
+    """The same seeds give the same tokens at tp 1, 2, 3 and 4: each split's cross-tp
+    tokens equal the unsplit rows' (checked in the worlds above), so they equal each
+    other; here the expectation itself is sampled and not degenerate."""
+    for world in (1, 2, 3, 4):
+        predict, length = bodies.cross_tp_expected(SEED + world)
+        assert len(set(predict)) > len(predict) // 4, predict
+        assert len(length) == bodies.CROSS_PAD_BS
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_different_arguments_raise_on_every_rank(world: int) -> None:
-    results = _ranks_ran(run_ranks(world, bodies.verify_mismatch, timeout_s=180), world)
-    for messages in results:
+    for messages in WORLDS.results(world, "mismatch"):
         assert set(messages) == set(bodies.MISMATCHES), messages
 
 
@@ -69,8 +77,7 @@ def test_different_arguments_raise_on_every_rank(world: int) -> None:
 def test_verify_through_fallback_comm_backend(world: int) -> None:
     """TokenSpeed's collectives object: the same results, one all_gather_into_tensor
     per round, and a parameter mismatch raises on every rank."""
-    results = _ranks_ran(run_ranks(world, bodies.fallback_verify, SEED + 40 + world), world)
-    for got in results:
+    for got in WORLDS.results(world, "fallback"):
         assert got["cases"] == 3, got
         assert got["mismatch_calls"] == 1, got  # round 1 shows the mismatch: no more rounds
         assert "temperature" in got["message"], got["message"]
