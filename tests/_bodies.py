@@ -602,12 +602,6 @@ def harness_fail(rank: int, world: int, group: Any) -> int:
     return rank
 
 
-def harness_hang(rank: int, world: int, group: Any) -> int:
-    if rank == 0:
-        time.sleep(3600)
-    return rank
-
-
 def harness_exit(rank: int, world: int, group: Any, victim: int, code: int) -> dict[str, int]:
     """Rank ``victim`` ends its process with ``os._exit(code)`` (no report, no
     clean-up); the others return ``{"rank": rank, "square": rank * rank}``."""

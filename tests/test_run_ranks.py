@@ -76,8 +76,10 @@ def test_a_rank_that_raises_leaves_the_others_results_and_its_traceback() -> Non
 
 def test_every_kind_of_outcome_in_rank_order() -> None:
     # the hung rank costs the whole timeout: 3x the 5 s that four spawned ranks take to
-    # start and report on a 2-core machine
+    # start and report on a 2-core machine; it is killed once the timeout ran out
+    t0 = time.monotonic()
     exc = _failure(4, _bodies.harness_mixed, timeout_s=15)
+    assert time.monotonic() - t0 < 15 + 20, "the hung rank was not killed at the timeout"
     assert [o.kind for o in exc.outcomes] == ["returned", "raised", "exited", "timeout"]
     assert exc.results == {0: "ok from 0"} and exc.failed_ranks == [1, 2, 3]
     text = str(exc)
