@@ -12,9 +12,11 @@ and the same ``void**`` parameter block (every argument 8 bytes) that
 :class:`ipc_dpsample.backends.common.PreparedLaunch` hands the driver, so the host
 code's argument packing runs for real.
 
-The verify kernels run with at most :data:`BLOCK_CAP` threads per block whatever the
-launch asks (they are correct for any power-of-two block up to ``DV_BLOCK``; 256
-``std::thread`` per block would make every call take seconds on a small CPU). The
+The verify and argmax kernels run with at most :data:`BLOCK_CAP` threads per block
+whatever the launch asks (the verify kernels are correct for any power-of-two block up
+to ``DV_BLOCK``, the argmax kernels for any block: a tree that folds odd halves and a
+grid-stride loop, checked at blocks 1 to 64 by ``tests/test_argmax_kernels_cpu.py``;
+256 ``std::thread`` per block would make every call take seconds on a small CPU). The
 launch's own block size is logged in :attr:`Emulator.blocks`.
 """
 
@@ -155,6 +157,8 @@ BLOCK_CAP: dict[str, int] = {
     "dp_verify_records": 32,
     "dp_verify_records_nolist": 32,
     "dp_verify_combine": 32,
+    "dp_argmax_partials": 32,
+    "dp_argmax_combine": 32,
 }
 
 
