@@ -30,7 +30,7 @@ TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 #: ``V / tp`` of most cases: above the record's 128-entry list (so top-p rows can need
 #: the probe round), not a multiple of 4.
 VS = 250
-#: The vocabulary of the cross-tp case (every tp in {1, 2, 3, 4} divides it).
+#: The vocabulary of the cross-tp case (every tp in {1, 2, 3, 4, 8} divides it).
 CROSS_V = 840
 CROSS_PAD_BS = 24
 MODES = ("greedy", "temperature", "top_k", "top_k_top_p", "min_p", "top_p", "mixed")
@@ -238,10 +238,15 @@ def _rounds(comm: DpSamplingComm) -> Any:
 
 
 # -- the matrix ------------------------------------------------------------------------
-def cases_for(tp: int, dtype: str) -> list[Case]:
+def cases_for(tp: int, dtype: str, small: bool) -> list[Case]:
     """The cases of one dtype: every mode, specials, bs, vocab_limit, array types."""
     p2, p4 = 2 * tp, 4 * tp
     kind = "numpy" if dtype != "bfloat16" else "torch"
+    if small:  # tp = 8: a mixed batch and a top-p batch
+        return [
+            Case("mixed", p2, specials=True, vocab_limit=VS * tp - 11),
+            Case("top_p", tp, scale=0.1, bs=tp - 1, probes=True),
+        ]
     return [
         Case("greedy", p2, specials=True),
         Case("temperature", p4, kind=kind, params_kind="torch"),
@@ -255,19 +260,19 @@ def cases_for(tp: int, dtype: str) -> list[Case]:
     ]
 
 
-def verify_matrix(rank: int, tp: int, group: Any, seed: int) -> dict:
+def verify_matrix(rank: int, tp: int, group: Any, seed: int, small: bool = False) -> dict:
     """Every dtype x the cases of :func:`cases_for` on one communicator per dtype, then
     N = 1, temperature 0 against argmax_batch_vocab, the full-row fallback and the
     cross-tp case. Returns counts, the rounds seen and the cross-tp tokens."""
     out: dict[str, Any] = {"cases": 0, "round2": 0, "round3": 0}
     n, max_pad_bs = 3, 4 * tp
-    for d, dtype in enumerate(DTYPES):
+    for d, dtype in enumerate(DTYPES if not small else ("float32", "bfloat16")):
         with _comm(
             rank, tp, group, max_pad_bs=max_pad_bs, num_tokens_per_req=n, vocab_size=VS * tp,
             logits_dtype=dtype,
         ) as comm:  # fmt: skip
             seen: dict[int, int] = {}
-            for i, case in enumerate(cases_for(tp, dtype)):
+            for i, case in enumerate(cases_for(tp, dtype, small)):
                 outs = run_case(comm, rank, tp, (seed, d, i), case)
                 ptr = outs[0].data_ptr() if isinstance(outs[0], torch.Tensor) else None
                 if ptr is not None:  # a view of the same persistent buffer every call
@@ -281,6 +286,8 @@ def verify_matrix(rank: int, tp: int, group: Any, seed: int) -> dict:
             if dtype == "float32":
                 out["cases"] += greedy_is_argmax(comm, rank, tp, (seed, 99))
     out["cross"] = cross_tp(rank, tp, group, seed)
+    if small:
+        return out
     # N = 1: plain sampling, no drafts
     with _comm(
         rank, tp, group, max_pad_bs=2 * tp, num_tokens_per_req=1, vocab_size=VS * tp,
