@@ -173,6 +173,16 @@ __device__ __forceinline__ double dv_log(double x) { return log(x); }
 
 __device__ __forceinline__ float dv_neg_inf() { return argmax_u2f(0xFF800000u); }
 __device__ __forceinline__ float dv_nan() { return argmax_u2f(0x7FC00000u); }
+// max(a, b), NaN when either is NaN (PTX max.NaN, one instruction from sm_80 on).
+__device__ __forceinline__ float dv_fmax_nan(float a, float b) {
+#if !defined(DP_ARGMAX_CPU_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? dv_nan() : argmax_fmax(a, b);
+#endif
+}
 
 // -- the noise: layout.noise_stream_key, philox4x32_10, uniform_from_uint32 -----
 // Philox4x32-10, word 0, counter (c0, c1, 0, 0), key (k0, k1).
@@ -534,6 +544,7 @@ struct DvTopKShared {
   unsigned sel_id[DV_TOPK_MAX];
   float sel_val[DV_TOPK_MAX];
   unsigned found_bin, found_above, n_gt, n_eq, n_cand;
+  unsigned wcount[DV_WARPS];  // each warp's list length (dv_row_topk_gather)
 };
 
 // A record kernel's shared memory without top-k lists (kcap == 0) ...
@@ -827,6 +838,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  float nacc = 0.0f;  // NaN once a vector had one
   for (unsigned v = t; v < nvec; v += U * B) {
     ArgmaxVec16 raw[U];
 #pragma unroll
@@ -837,14 +849,12 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
       if (v + u * B < nvec) {
         float xs[E];
         ArgmaxUnpack<Tag>::run(raw[u], xs);
+        // the vector's maximum, NaN when one of its columns is (then the row is read
+        // again and nothing below counts): one instruction a column covers both
         float vm = xs[0];
-        bool nn = xs[0] != xs[0];
 #pragma unroll
-        for (unsigned j = 1; j < E; ++j) {
-          vm = argmax_fmax(vm, xs[j]);  // the non-NaN one of a NaN pair
-          nn |= xs[j] != xs[j];
-        }
-        nan |= nn;
+        for (unsigned j = 1; j < E; ++j) vm = dv_fmax_nan(vm, xs[j]);
+        nacc = dv_fmax_nan(nacc, vm);
         if constexpr (kKeys) {
           if (v + u * B < nkeys) vkey[v + u * B] = dv_vector_key(vm);
         }
@@ -871,7 +881,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
       mc = c;
     }
   }
-  return nan;
+  return nan || nacc != nacc;
 }
 
 // The top-k pass's threshold (an order key): at least kk columns of the row have a key
@@ -942,37 +952,47 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   // thr 0 (every column passes) reads the row in full
   unsigned nk = thr == 0u ? 0u : (nkeys < nvec ? nkeys : nvec);
-  // the kept keys, 4 vectors a thread per 8-byte shared load: each warp first lists the
-  // vectors whose key passes (a ballot per key slot, no load; in the histogram's words,
-  // unused until a select over the row), then reads its whole list at once, a vector a
-  // lane (was: each lane's vectors behind a branch, one L2 round trip per distinct place
-  // of the warp's lanes, in turn). A list that overflows: the row is read in full.
+  // the kept keys, 8 vectors a thread per 16-byte shared load: each warp lists the
+  // vectors whose key can hold a column at or above thr (in the histogram's words,
+  // unused until a select over the row; any order, a lane reserving its entries with
+  // one shared atomic), then reads its whole list at once, a vector a lane. The keys
+  // that pass dv_vector_order_key(h) >= thr >> 16 are one range of raw keys h, [lo, hi]:
+  // a non-negative threshold keeps the positive keys from its own up (and -0's when it
+  // is 0), a negative one every key up to the negative key of its magnitude. A list
+  // that overflows: the row is read in full.
   const unsigned t16 = thr >> 16, wid = t >> 5;
+  const unsigned lo = t16 >= 0x8000u ? (t16 == 0x8000u ? 0u : t16 & 0x7FFFu) : 0u;
+  const unsigned hi = t16 >= 0x8000u ? (t16 == 0x8000u ? 0x8000u : 0x7FFFu) : 0xFFFFu - t16;
+  const unsigned span = hi - lo;
   constexpr unsigned L = DV_VLIST;  // list entries a warp
   unsigned* wl = sh.k.hist + wid * L;
-  unsigned nl = 0;  // (uniform over the warp)
-  const unsigned ng = (nk + 3u) / 4u;
-  for (unsigned g0 = 0; g0 < ng; g0 += B) {  // uniform trip count (warp votes)
-    const unsigned g = g0 + t;
-    dv_u64 k4 = 0;
-    if (g < ng) {
+  if (lane == 0) sh.k.wcount[wid] = 0;
+  __syncwarp();
+  const unsigned ng = (nk + 7u) / 8u;
+  for (unsigned g = t; g < ng; g += B) {
+    unsigned w[4];
 #ifdef DP_ARGMAX_CPU_EMULATION
-      for (unsigned j = 0; j < 4u; ++j) k4 |= (dv_u64)sh.vkey[4u * g + j] << (16u * j);
+    for (unsigned j = 0; j < 4u; ++j)
+      w[j] = (unsigned)sh.vkey[8u * g + 2u * j] | ((unsigned)sh.vkey[8u * g + 2u * j + 1u] << 16);
 #else
-      k4 = *reinterpret_cast<const dv_u64*>(sh.vkey + 4u * g);  // (little-endian)
+    const ArgmaxVec16 k8 = *reinterpret_cast<const ArgmaxVec16*>(sh.vkey + 8u * g);
+    for (unsigned j = 0; j < 4u; ++j) w[j] = k8.w[j];  // (little-endian)
 #endif
-    }
+    unsigned bits = 0;
 #pragma unroll
     for (unsigned j = 0; j < 4u; ++j) {
-      const unsigned v = 4u * g + j;
-      const unsigned h = (unsigned)(k4 >> (16u * j)) & 0xFFFFu;
-      const bool pass = g < ng && v < nk && dv_vector_order_key(h) >= t16;
-      const unsigned mask = __ballot_sync(DV_FULL, pass);
-      const unsigned at = nl + (unsigned)__popc(mask & ((1u << lane) - 1u));
-      if (pass && at < L) wl[at] = v;
-      nl += (unsigned)__popc(mask);
+      bits |= ((w[j] & 0xFFFFu) - lo <= span ? 1u : 0u) << (2u * j);
+      bits |= ((w[j] >> 16) - lo <= span ? 1u : 0u) << (2u * j + 1u);
+    }
+    if (8u * g + 8u > nk) bits &= (1u << (nk - 8u * g)) - 1u;  // the last group's keys
+    if (bits != 0u) {  // rare: a few vectors of a row
+      unsigned at = atomicAdd(&sh.k.wcount[wid], (unsigned)__popc(bits));
+      for (; bits != 0u; bits &= bits - 1u, ++at)
+        if (at < L) wl[at] = 8u * g + (unsigned)(__ffs(bits) - 1);
     }
   }
+  __syncwarp();
+  const unsigned nl = sh.k.wcount[wid];  // (uniform over the warp)
   if (dv_block_min(sh.row.red, nl > L ? 0u : 1u) == 0u) {
     nk = 0;  // some warp's list overflowed (uniform over the block)
   } else {

@@ -623,6 +623,39 @@ def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
     assert np.array_equal(got[0], want[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lib", ["candidates"], indirect=True)
+def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) -> None:
+    # the second pass keeps the vectors whose raw key lies in one range, which differs
+    # for a threshold above zero, at zero (-0 counts as +0) and below zero: rows of
+    # negative logits only, rows of exact zeros of both signs among tiny values of both
+    # signs, and rows of zeros and negatives, at top-k 2 and 50 (block 256: the
+    # threshold from the warps' lanes is tight, so most vectors are skipped)
+    tp, vs, n, pad_bs = 2, 1536, 1, 12
+    g = np.random.default_rng(41)
+    full = (g.standard_normal((pad_bs, vs * tp)) - 60).astype(np.float32)
+    full[4:8] = g.standard_normal((4, vs * tp)).astype(np.float32) * 1e-38
+    full[4:8][g.random((4, vs * tp)) < 0.3] = 0.0
+    full[4:8][g.random((4, vs * tp)) < 0.3] = -0.0
+    full[8:] = np.where(g.random((4, vs * tp)) < 0.05, 0.0, -(g.random((4, vs * tp)) + 1))
+    full[10, ::7] = -0.0
+    full = _encode(full, dtype)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = {
+        "temperature": np.ones(pad_bs, np.float32),
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": np.where(np.arange(pad_bs) % 2 == 0, 2, 50).astype(np.int32),
+        "top_p": None,
+        "min_p": None,
+    }
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, errors, values = run_kernels(lib, shards, cand, prm, dtype=dtype, block=256, want_lp=False)
+    want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype=dtype, **prm)
+    assert errors == [0] * tp and values == [0] * tp
+    _check(got[:3], want, pad_bs, f"top-k rows at or below zero {dtype}")
+
+
 @DEFAULT_CAP_ONLY
 @pytest.mark.parametrize("block", [8, 32, 256])
 def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
