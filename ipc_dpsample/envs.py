@@ -210,7 +210,13 @@ REGISTRY: dict[str, EnvVar] = {
             _one_of_ints(1, 2, 4),
             2,
             "tuning (compile time): 16-byte loads in flight per thread in the record kernel's "
-            "first pass over a row",
+            "first pass over a row (the kernel of batches without top-k rows)",
+        ),
+        EnvVar(
+            "IPC_DPSAMPLE_VERIFY_LIST_UNROLL",
+            _one_of_ints(1, 2, 4),
+            4,
+            "tuning (compile time): the same in the record kernel of batches with top-k rows",
         ),
         EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
@@ -287,6 +293,7 @@ class OnesidedTuning:
     verify_broadcast: str = "auto"  # verify_plan.verify_broadcast's mode
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
+    verify_list_unroll: int = 4
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -299,6 +306,7 @@ class OnesidedTuning:
             f"-DDV_LIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
+            f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
         )
 
 
@@ -320,4 +328,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_broadcast=get("IPC_DPSAMPLE_VERIFY_BROADCAST"),
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
+        verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
     )

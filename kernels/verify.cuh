@@ -802,25 +802,27 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
 #ifndef DV_MAX_UNROLL
 #define DV_MAX_UNROLL 2  // 16-byte loads in flight per thread in the row's first pass
 #endif
+#ifndef DV_LIST_UNROLL
+#define DV_LIST_UNROLL 4  // ... in the top-k record kernel's (its first pass waits on memory)
+#endif
 
 // This thread's first maximum over its columns of `row` (m; mc its column, DV_NO_ID when
 // none is above -inf) and whether one of its columns is NaN (then m and mc are not
 // meaningful: the caller reads the row again with every special value handled). Each
 // thread visits its columns in increasing order (a scalar head, 16-byte vectors in
-// rounds of DV_MAX_UNROLL loads, a scalar tail) and compares each vector's maximum with
+// rounds of U loads, a scalar tail) and compares each vector's maximum with
 // m once: the first column of the vector that holds it when it is larger.
 //
 // With kKeys, vector i (of the 16-byte vectors after the head) for i < min(nvec, nkeys)
 // also leaves the upper 16 bits of its maximum in vkey[i] (dv_vector_key): the top-k pass
 // then reads again only the vectors that can hold a candidate (dv_row_topk_gather).
-template <typename Tag, bool kKeys = false>
+template <typename Tag, bool kKeys = false, unsigned U = DV_MAX_UNROLL>
 __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, unsigned ncols,
                                            float& m, unsigned& mc,
                                            unsigned short* vkey = nullptr,
                                            unsigned nkeys = 0u) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  constexpr unsigned U = DV_MAX_UNROLL;
   const unsigned t = threadIdx.x, B = blockDim.x;
   m = dv_neg_inf();
   mc = DV_NO_ID;
@@ -1295,7 +1297,10 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   unsigned nan_id = DV_NO_ID, max_id = DV_NO_ID;
   float m = dv_neg_inf();
   unsigned mc;
-  const bool saw_nan = dv_row_max<Tag, kList>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
+  // the top-k kernel's first pass with DV_LIST_UNROLL loads in flight, the other's with
+  // DV_MAX_UNROLL
+  constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
+  const bool saw_nan = dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
                                               list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;

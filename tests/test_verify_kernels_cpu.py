@@ -102,7 +102,8 @@ extern "C" void emu_vector_keys(const float* x, i64 count, unsigned* kept, unsig
 #: the tests' wide shards overflow only when the threshold is loose (partial warps, small
 #: blocks), which only the top-k tests below ask for (:data:`WITH_EVERY_CAP`: every test
 #: twice more would slow CI). The two small ones also build the first pass with one and
-#: with four vectors per round (``DV_MAX_UNROLL``; the default is two), and keep the
+#: with four vectors per round (``DV_MAX_UNROLL`` and the top-k kernel's
+#: ``DV_LIST_UNROLL``; the defaults are two and four), and keep the
 #: vector keys of only the first few vectors of a top-k row (``DV_VKEY_CAP``: the
 #: candidates of the rest come from a full second read, as on shards wider than the
 #: default 6144 vectors)
@@ -139,6 +140,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         flags = (
             f"-DDV_CAND_CAP={cap}",
             f"-DDV_MAX_UNROLL={unroll}",
+            f"-DDV_LIST_UNROLL={unroll}",
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
         )
