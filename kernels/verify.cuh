@@ -1300,8 +1300,9 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // the top-k kernel's first pass with DV_LIST_UNROLL loads in flight, the other's with
   // DV_MAX_UNROLL
   constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
-  const bool saw_nan = dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
-                                              list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+  const bool saw_nan =
+      dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
+                                      list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   dv_phase(DV_PH_REC + 1);  // pass 1
