@@ -625,6 +625,46 @@ def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
     assert np.array_equal(got[0], want[0])
 
 
+@pytest.mark.parametrize("block", [8, 32, 256])
+@pytest.mark.parametrize("lib", ["candidates"], indirect=True)
+def test_first_maximum_among_equal_maxima(lib: Any, block: int) -> None:
+    # the first column of a row's maximum wins: equal maxima in later vectors of the same
+    # thread (block 8: several vectors a thread) and of other threads, in other places of
+    # their vectors, and maxima that are zeros of both signs (-0 == +0: the first one
+    # wins, whatever its sign), on greedy, temperature and top-k rows alike
+    tp, vs, n, pad_bs = 2, 4096, 1, 12
+    g = np.random.default_rng(43)
+    full = -(g.random((pad_bs, vs * tp)) + 1.0).astype(np.float32)
+    for r in range(pad_bs):
+        cols = np.sort(g.choice(vs * tp, 40, replace=False))
+        if r % 3 == 0:
+            full[r, cols] = 3.0  # equal maxima everywhere
+        elif r % 3 == 1:
+            full[r, cols] = np.where(g.random(40) < 0.5, -0.0, 0.0)  # signed zeros
+        else:
+            full[r, cols[::2]] = -0.0
+            full[r, cols[1::2]] = 0.0
+            full[r, cols[-1]] = 1e-45  # the one positive maximum, last
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = {
+        "temperature": np.where(np.arange(pad_bs) % 4 < 2, 0.0, 0.7).astype(np.float32),
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": np.where(np.arange(pad_bs) % 4 == 3, 5, 0).astype(np.int32),
+        "top_p": None,
+        "min_p": None,
+    }
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, errors, values = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
+    want = reference_verify_batch_vocab(
+        shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", return_logprobs=True, **prm
+    )
+    assert errors == [0] * tp and values == [0] * tp
+    _check(got, want, pad_bs, f"equal maxima block={block}")
+    greedy = prm["temperature"] == 0
+    assert np.array_equal(got[0][greedy, 0], np.argmax(full[greedy], axis=1))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lib", ["candidates"], indirect=True)
 def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) -> None:
