@@ -558,6 +558,8 @@ struct DvRowQueueShared {
 #ifndef DV_VKEY_CAP
 #define DV_VKEY_CAP 6144  // vectors of a top-k row whose keys the first pass keeps (12 KB)
 #endif
+// (the second pass reads the keys 8 at a time, one 16-byte load)
+static_assert(DV_VKEY_CAP % 8 == 0, "DV_VKEY_CAP must be a multiple of 8");
 #ifndef DV_VLIST
 #define DV_VLIST (2048 / DV_WARPS)  // a warp's list of vectors to read again (histogram words)
 #endif
