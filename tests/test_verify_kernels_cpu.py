@@ -283,6 +283,26 @@ def _words(args: list[int]) -> np.ndarray:
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "offset")
 
 
+def _stream_params(
+    g: np.random.Generator,
+    temperature: np.ndarray,
+    top_k: np.ndarray | None = None,
+    top_p: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """Per-request parameters: ``temperature`` (float32 ``[pad_bs]``), ``top_k`` and
+    ``top_p`` as given (None: off), no min-p, and fresh noise streams (``seed`` then
+    ``offset``, drawn from ``g``)."""
+    pad_bs = len(temperature)
+    return {
+        "temperature": temperature,
+        "seed": g.integers(0, 2**40, pad_bs),
+        "offset": g.integers(0, 2**40, pad_bs),
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": None,
+    }
+
+
 def _params(g: np.random.Generator, pad_bs: int, mode: str) -> dict[str, Any]:
     """``tests/_verify_bodies.params`` of ``mode`` (keyed by a draw of ``g``), plus the
     kernels' own mixes: ``top_k_min_p``, and ``mixed`` with top-p / min-p only where
@@ -610,14 +630,7 @@ def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
     full[:, [5, 70, 200]] = 1.0
     full[:, 600] = 1.1
     full[:, [800, 990]] = 1.2
-    prm = {
-        "temperature": np.ones(pad_bs, np.float32),
-        "seed": g.integers(0, 2**40, pad_bs),
-        "offset": g.integers(0, 2**40, pad_bs),
-        "top_k": np.full(pad_bs, 3, np.int32),
-        "top_p": None,
-        "min_p": None,
-    }
+    prm = _stream_params(g, np.ones(pad_bs, np.float32), top_k=np.full(pad_bs, 3, np.int32))
     cand = np.zeros((pad_bs, n), np.int32)
     got, _, _ = run_kernels(lib, [full], cand, prm, dtype="float32", block=32)
     want = reference_verify_batch_vocab([full], cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
@@ -646,14 +659,11 @@ def test_first_maximum_among_equal_maxima(lib: Any, block: int) -> None:
             full[r, cols[1::2]] = 0.0
             full[r, cols[-1]] = 1e-45  # the one positive maximum, last
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
-    prm = {
-        "temperature": np.where(np.arange(pad_bs) % 4 < 2, 0.0, 0.7).astype(np.float32),
-        "seed": g.integers(0, 2**40, pad_bs),
-        "offset": g.integers(0, 2**40, pad_bs),
-        "top_k": np.where(np.arange(pad_bs) % 4 == 3, 5, 0).astype(np.int32),
-        "top_p": None,
-        "min_p": None,
-    }
+    prm = _stream_params(
+        g,
+        np.where(np.arange(pad_bs) % 4 < 2, 0.0, 0.7).astype(np.float32),
+        top_k=np.where(np.arange(pad_bs) % 4 == 3, 5, 0).astype(np.int32),
+    )
     cand = np.zeros((pad_bs, n), np.int32)
     got, errors, values = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
     want = reference_verify_batch_vocab(
@@ -683,14 +693,11 @@ def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) ->
     full[10, ::7] = -0.0
     full = _encode(full, dtype)
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
-    prm = {
-        "temperature": np.ones(pad_bs, np.float32),
-        "seed": g.integers(0, 2**40, pad_bs),
-        "offset": g.integers(0, 2**40, pad_bs),
-        "top_k": np.where(np.arange(pad_bs) % 2 == 0, 2, 50).astype(np.int32),
-        "top_p": None,
-        "min_p": None,
-    }
+    prm = _stream_params(
+        g,
+        np.ones(pad_bs, np.float32),
+        top_k=np.where(np.arange(pad_bs) % 2 == 0, 2, 50).astype(np.int32),
+    )
     cand = np.zeros((pad_bs, n), np.int32)
     got, errors, values = run_kernels(lib, shards, cand, prm, dtype=dtype, block=256, want_lp=False)
     want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype=dtype, **prm)
@@ -711,14 +718,7 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     for s in range(tp):
         full[:, s * vs] = full[:, (s + 1) * vs - 1] = 5.0
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
-    prm = {
-        "temperature": np.ones(pad_bs, np.float32),
-        "seed": g.integers(0, 2**40, pad_bs),
-        "offset": g.integers(0, 2**40, pad_bs),
-        "top_k": None,
-        "top_p": None,
-        "min_p": None,
-    }
+    prm = _stream_params(g, np.ones(pad_bs, np.float32))
     cand = np.zeros((pad_bs, n), np.int32)
     got, _, _ = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
     want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", **prm)
@@ -820,14 +820,12 @@ def test_top_p_boundary_is_exclusive(lib: Any) -> None:
     full = (g.standard_normal((pad_bs, vs * tp)) - 20).astype(np.float32)
     full[:, 7] = full[:, vs + 3] = 5.0
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
-    prm = {
-        "temperature": np.ones(pad_bs, np.float32),
-        "seed": g.integers(0, 2**40, pad_bs),
-        "offset": g.integers(0, 2**40, pad_bs),
-        "top_k": np.full(pad_bs, 2, np.int32),
-        "top_p": np.full(pad_bs, 0.5, np.float32),
-        "min_p": None,
-    }
+    prm = _stream_params(
+        g,
+        np.ones(pad_bs, np.float32),
+        top_k=np.full(pad_bs, 2, np.int32),
+        top_p=np.full(pad_bs, 0.5, np.float32),
+    )
     cand = np.zeros((pad_bs, n), np.int32)
     got, _, _ = run_kernels(lib, shards, cand, prm, dtype="float32")
     assert (got[0][:, 0] == 7).all()
