@@ -558,16 +558,14 @@ struct DvRowQueueShared {
 #ifndef DV_VKEY_CAP
 #define DV_VKEY_CAP 6144  // vectors of a top-k row whose keys the first pass keeps (12 KB)
 #endif
-// (the second pass reads the keys 8 at a time, one 16-byte load)
-static_assert(DV_VKEY_CAP % 8 == 0, "DV_VKEY_CAP must be a multiple of 8");
 #ifndef DV_VLIST
 #define DV_VLIST (2048 / DV_WARPS)  // a warp's list of vectors to read again (histogram words)
 #endif
 #if DV_VLIST * DV_WARPS > 2048
 #error "DV_VLIST * DV_WARPS must fit the top-k histogram (2048 words)"
 #endif
-#if DV_VKEY_CAP % 4 != 0
-#error "DV_VKEY_CAP must be a multiple of 4"
+#if DV_VKEY_CAP % 8 != 0
+#error "DV_VKEY_CAP must be a multiple of 8 (the second pass reads the keys 8 at a time)"
 #endif
 struct DvRecordShared {
   DvRowShared row;
@@ -613,6 +611,18 @@ __device__ __forceinline__ unsigned short dv_vector_key(float vmax) {
 // above thr >> 16.
 __device__ __forceinline__ unsigned dv_vector_order_key(unsigned h) {
   return (h & 0x8000u) ? (h == 0x8000u ? 0x8000u : (~h & 0xFFFFu)) : (h | 0x8000u);
+}
+// The kept keys h with dv_vector_order_key(h) >= thr >> 16 are one range of raw keys,
+// lo <= h <= lo + span (one unsigned test: h - lo <= span): a non-negative threshold keeps
+// the positive keys from its own up (and -0's when it is 0), a negative one every key up
+// to the negative key of its magnitude.
+__device__ __forceinline__ void dv_vector_key_range(unsigned thr, unsigned* lo,
+                                                    unsigned* span) {
+  const unsigned t16 = thr >> 16;
+  const unsigned l = t16 >= 0x8000u ? (t16 == 0x8000u ? 0u : t16 & 0x7FFFu) : 0u;
+  const unsigned h = t16 >= 0x8000u ? (t16 == 0x8000u ? 0x8000u : 0x7FFFu) : 0xFFFFu - t16;
+  *lo = l;
+  *span = h - l;
 }
 
 // The candidates gathered in shared memory (any order).
@@ -957,17 +967,13 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
   // thr 0 (every column passes) reads the row in full
   unsigned nk = thr == 0u ? 0u : (nkeys < nvec ? nkeys : nvec);
   // the kept keys, 8 vectors a thread per 16-byte shared load: each warp lists the
-  // vectors whose key can hold a column at or above thr (in the histogram's words,
-  // unused until a select over the row; any order, a lane reserving its entries with
-  // one shared atomic), then reads its whole list at once, a vector a lane. The keys
-  // that pass dv_vector_order_key(h) >= thr >> 16 are one range of raw keys h, [lo, hi]:
-  // a non-negative threshold keeps the positive keys from its own up (and -0's when it
-  // is 0), a negative one every key up to the negative key of its magnitude. A list
-  // that overflows: the row is read in full.
-  const unsigned t16 = thr >> 16, wid = t >> 5;
-  const unsigned lo = t16 >= 0x8000u ? (t16 == 0x8000u ? 0u : t16 & 0x7FFFu) : 0u;
-  const unsigned hi = t16 >= 0x8000u ? (t16 == 0x8000u ? 0x8000u : 0x7FFFu) : 0xFFFFu - t16;
-  const unsigned span = hi - lo;
+  // vectors whose key can hold a column at or above thr (dv_vector_key_range; in the
+  // histogram's words, unused until a select over the row; any order, a lane reserving
+  // its entries with one shared atomic), then reads its whole list at once, a vector a
+  // lane. A list that overflows: the row is read in full.
+  const unsigned wid = t >> 5;
+  unsigned lo, span;
+  dv_vector_key_range(thr, &lo, &span);
   constexpr unsigned L = DV_VLIST;  // list entries a warp
   unsigned* wl = sh.k.hist + wid * L;
   if (lane == 0) sh.k.wcount[wid] = 0;

@@ -93,6 +93,16 @@ extern "C" void emu_vector_keys(const float* x, i64 count, unsigned* kept, unsig
     read[i] = dv_vector_order_key(kept[i]);
   }
 }
+extern "C" i64 emu_key_range_mismatches(unsigned t16_first, unsigned t16_count) {
+  i64 bad = 0;
+  for (unsigned t16 = t16_first; t16 < t16_first + t16_count; ++t16) {
+    unsigned lo, span;
+    dv_vector_key_range(t16 << 16, &lo, &span);
+    for (unsigned h = 0; h < 0x10000u; ++h)
+      bad += (dv_vector_order_key(h) >= t16) != (h - lo <= span);
+  }
+  return bad;
+}
 """
 )
 
@@ -423,6 +433,15 @@ def test_noise_and_stream_key_match_layout(lib: Any) -> None:
         noise = np.zeros(len(ids), np.float32)
         lib.emu_noise(int(out[0]), _addr(ids), len(ids), _addr(noise))
         assert np.array_equal(noise.view(np.int32), gumbel_noise(out[0], ids).view(np.int32))
+
+
+@DEFAULT_CAP_ONLY
+def test_vector_key_range_is_the_order_key_test(lib: Any) -> None:
+    # the second pass tests a kept key h as one unsigned range (dv_vector_key_range):
+    # for every threshold key and every h, the same answer as dv_vector_order_key(h) >=
+    # thr >> 16 (all 2**32 pairs)
+    lib.emu_key_range_mismatches.restype = ctypes.c_int64
+    assert lib.emu_key_range_mismatches(0, 0x10000) == 0
 
 
 def test_vector_keys_never_fall_below_the_order_key(lib: Any) -> None:
