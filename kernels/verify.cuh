@@ -530,7 +530,7 @@ struct DvRowShared {
 // (dv_row_temp): room for a warp's leftover (< 64) plus one 16-byte vector per lane.
 #define DV_QCAP (32 * 10)
 struct DvQueue {
-  float x[DV_WARPS][DV_QCAP];
+  alignas(16) float x[DV_WARPS][DV_QCAP];
   unsigned id[DV_WARPS][DV_QCAP];
 };
 
@@ -823,14 +823,15 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
 // meaningful: the caller reads the row again with every special value handled). Each
 // thread visits its columns in increasing order (a scalar head, 16-byte vectors in
 // rounds of U loads, a scalar tail) and compares each vector's maximum with
-// m once: the first column of the vector that holds it when it is larger.
+// m once: the first column of the vector that holds it when it is larger. keep: blockDim.x
+// 16-byte slots of shared memory, free on entry (this thread's slot is keep[t]).
 //
 // With kKeys, vector i (of the 16-byte vectors after the head) for i < min(nvec, nkeys)
 // also leaves the upper 16 bits of its maximum in vkey[i] (dv_vector_key): the top-k pass
 // then reads again only the vectors that can hold a candidate (dv_row_topk_gather).
 template <typename Tag, bool kKeys = false, unsigned U = DV_MAX_UNROLL>
 __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, unsigned ncols,
-                                           float& m, unsigned& mc,
+                                           float& m, unsigned& mc, ArgmaxVec16* keep,
                                            unsigned short* vkey = nullptr,
                                            unsigned nkeys = 0u) {
   typedef typename Tag::Storage S;
@@ -853,39 +854,53 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   float nacc = 0.0f;  // NaN once a vector had one
+  // The vector that holds m (index bv, DV_NO_ID: none) is kept as loaded, in this
+  // thread's slot of `keep` (shared memory: no registers held across the loop): its first
+  // column equal to m is found once, after the loop, instead of at every vector that
+  // raises m (most of a row's first vectors do).
+  unsigned bv = DV_NO_ID;
+  auto take = [&](const ArgmaxVec16& r, unsigned vi) {
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(r, xs);
+    // the vector's maximum, NaN when one of its columns is (then the row is read again
+    // and nothing below counts): one instruction a column covers both
+    float vm = xs[0];
+#pragma unroll
+    for (unsigned j = 1; j < E; ++j) vm = dv_fmax_nan(vm, xs[j]);
+    nacc = dv_fmax_nan(nacc, vm);
+    if constexpr (kKeys) {
+      if (vi < nkeys) vkey[vi] = dv_vector_key(vm);
+    }
+    if (vm > m) {  // (vm equals the value of its first column equal to it, -0 == +0)
+      m = vm;
+      bv = vi;
+      keep[t] = r;
+    }
+  };
+  // rounds of U loads a thread, each load behind its own bounds test (without them,
+  // ptxas sinks each load to its use: one load in flight)
   for (unsigned v = t; v < nvec; v += U * B) {
     ArgmaxVec16 raw[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
       if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
 #pragma unroll
-    for (unsigned u = 0; u < U; ++u) {
-      if (v + u * B < nvec) {
-        float xs[E];
-        ArgmaxUnpack<Tag>::run(raw[u], xs);
-        // the vector's maximum, NaN when one of its columns is (then the row is read
-        // again and nothing below counts): one instruction a column covers both
-        float vm = xs[0];
+    for (unsigned u = 0; u < U; ++u)
+      if (v + u * B < nvec) take(raw[u], v + u * B);
+  }
+  if (bv != DV_NO_ID) {  // the first column of the vector that holds m
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(keep[t], xs);
+    unsigned j = E - 1;
+    float xj = xs[E - 1];
 #pragma unroll
-        for (unsigned j = 1; j < E; ++j) vm = dv_fmax_nan(vm, xs[j]);
-        nacc = dv_fmax_nan(nacc, vm);
-        if constexpr (kKeys) {
-          if (v + u * B < nkeys) vkey[v + u * B] = dv_vector_key(vm);
-        }
-        if (vm > m) {  // rare after the first vectors
-          unsigned j = E - 1;
-          float xj = xs[E - 1];
-#pragma unroll
-          for (int i = (int)E - 2; i >= 0; --i) {  // (no indexing by j: xs stays in registers)
-            const bool eq = xs[i] == vm;
-            j = eq ? (unsigned)i : j;
-            xj = eq ? xs[i] : xj;
-          }
-          m = xj;
-          mc = head + (v + u * B) * E + j;
-        }
-      }
+    for (int i = (int)E - 2; i >= 0; --i) {  // (no indexing by j: xs stays in registers)
+      const bool eq = xs[i] == m;
+      j = eq ? (unsigned)i : j;
+      xj = eq ? xs[i] : xj;
     }
+    m = xj;
+    mc = head + bv * E + j;
   }
   for (unsigned c = head + nvec * E + t; c < ncols; c += B) {
     const float x = argmax_load1<Tag>(row + c);
@@ -1309,7 +1324,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // DV_MAX_UNROLL
   constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
   const bool saw_nan =
-      dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, kList ? ls->vkey : nullptr,
+      dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, reinterpret_cast<ArgmaxVec16*>(q.x),
+                                      kList ? ls->vkey : nullptr,
                                       list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
