@@ -796,7 +796,7 @@ __device__ __forceinline__ void dv_row_each(const typename Tag::Storage* row, un
     const bool second = v + B < nvec;
     const ArgmaxVec16 a = argmax_load16(vp + v);
     ArgmaxVec16 b = a;
-    if (second) b = argmax_load16(vp + v + B);
+    if (second) b = argmax_load16(vp + (v + B));
     float xs[E];
     ArgmaxUnpack<Tag>::run(a, xs);
 #pragma unroll
@@ -883,7 +883,7 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
     ArgmaxVec16 raw[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
-      if (v + u * B < nvec) raw[u] = argmax_load16(vp + v + u * B);
+      if (v + u * B < nvec) raw[u] = argmax_load16(vp + (v + u * B));
 #pragma unroll
     for (unsigned u = 0; u < U; ++u)
       if (v + u * B < nvec) take(raw[u], v + u * B);
@@ -1041,7 +1041,7 @@ __device__ bool dv_row_topk_gather(const typename Tag::Storage* row, unsigned nc
 #pragma unroll
     for (unsigned h = 0; h < G; ++h) {
       raw[h].w[0] = raw[h].w[1] = raw[h].w[2] = raw[h].w[3] = 0u;
-      if (v + h * B < nvec) raw[h] = argmax_load16(vp + v + h * B);
+      if (v + h * B < nvec) raw[h] = argmax_load16(vp + (v + h * B));
     }
 #pragma unroll
     for (unsigned h = 0; h < G; ++h) {
@@ -1265,7 +1265,7 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = argmax_load16(vp + v + B);
+    if (v + B < nvec) nxt = argmax_load16(vp + (v + B));
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll
