@@ -940,29 +940,50 @@ __device__ __forceinline__ bool dv_row_max(const typename Tag::Storage* row, uns
 }
 
 // The top-k pass's threshold (an order key): at least kk columns of the row have a key
-// at or above it, so the row's first kk columns in key order are among them. Warp w
-// takes the r-th largest of its lanes' own maxima (key: my_key, 0 for a lane without
-// one), r = ceil(kk / warps); the block takes the smallest: each warp has r distinct
-// columns at or above its value, kk in all. On random rows (a rough estimate) a few kk
-// columns pass (about a hundred for kk = 50 of 19 008); 0 (every column) when a warp is
-// partial or r > 32.
-__device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned my_key,
-                                                      unsigned kk) {
-  const unsigned lane = threadIdx.x & 31u, W = dv_nwarps();
-  const unsigned r = (kk + W - 1u) / W;
-  unsigned thr = 0;
-  if (dv_warp_width() == 32u && r <= 32u) {
-    unsigned key = my_key;  // bitonic sort of the warp's keys, descending by lane
-    for (unsigned k = 2; k <= 32u; k <<= 1) {
-      for (unsigned j = k >> 1; j > 0; j >>= 1) {
-        const unsigned other = __shfl_xor_sync(DV_FULL, key, (int)j);
-        const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
-        key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
-      }
+// at or above it, so the row's first kk columns in key order are among them. It is the
+// kk-th largest of the threads' own maxima (key: my_key, 0 for a thread without one):
+// the kk largest are kk distinct columns at or above it. Each warp sorts its lanes' keys
+// (bitonic, descending by lane) into sorted[32 * warp ..]; each entry's place in the
+// order (key desc, warp asc, place in its warp asc) is its place in its warp plus, in
+// every other warp, the entries at or above it (a warp before) or above it (a warp
+// after), found by binary search; the entry at place kk - 1 is the threshold. On random
+// rows (a rough estimate) about kk columns pass (55 for kk = 50 of 19 008; the smallest
+// of the warps' ceil(kk / warps)-th keys let about 97 pass); 0 (every column) when a
+// warp is partial or kk exceeds the threads. sorted: blockDim.x words of shared memory,
+// free; every thread calls it.
+__device__ __forceinline__ unsigned dv_topk_threshold(DvShared& red, unsigned* sorted,
+                                                      unsigned my_key, unsigned kk) {
+  const unsigned t = threadIdx.x, lane = t & 31u, wid = t >> 5, W = dv_nwarps();
+  if (dv_warp_width() != 32u || kk > 32u * W) return 0u;  // (uniform over the block)
+  unsigned key = my_key;
+  for (unsigned k = 2; k <= 32u; k <<= 1) {
+    for (unsigned j = k >> 1; j > 0; j >>= 1) {
+      const unsigned other = __shfl_xor_sync(DV_FULL, key, (int)j);
+      const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
+      key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
     }
-    thr = __shfl_sync(DV_FULL, key, (int)(r - 1u));
   }
-  return dv_block_min(red, thr);
+  sorted[t] = key;
+  __syncthreads();
+  unsigned place = lane;
+  for (unsigned w2 = 0; w2 < W; ++w2) {
+    if (w2 == wid) continue;
+    const unsigned* a = sorted + 32u * w2;
+    const bool before = w2 < wid;
+    unsigned c = 0;  // a's leading entries that come before this one (a is descending)
+    for (unsigned s = 16; s >= 1; s >>= 1) {
+      const unsigned x = a[c + s - 1u];
+      if (before ? x >= key : x > key) c += s;
+    }
+    const unsigned x = a[31];  // (c is 31 at most above: all 32 may come before)
+    if (before ? x >= key : x > key) c += 1u;
+    place += c;
+  }
+  if (place == kk - 1u) red.u2[0] = key;  // exactly one entry has each place
+  __syncthreads();
+  const unsigned thr = red.u2[0];
+  __syncthreads();  // (the caller's next reductions reuse red and sorted's words)
+  return thr;
 }
 
 // Pass 2 of a top-k row without NaN: every column whose order key is at or above thr
@@ -1380,8 +1401,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   bool gathered = false;
   if constexpr (kList) {
     if (list_len > 0 && !has_nan) {
-      const unsigned thr =
-          dv_topk_threshold(rs.red, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
+      const unsigned thr = dv_topk_threshold(
+          rs.red, ls->k.hist, my_id != DV_NO_ID ? dv_order_key(my_m) : 0u, list_len);
       dv_phase(DV_PH_REC + 3);
       gathered = dv_row_topk_gather<Tag>(row, ncols, col0, thr, *ls, DV_VKEY_CAP);
       dv_phase(DV_PH_REC + 4);  // pass 2
