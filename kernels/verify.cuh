@@ -517,7 +517,7 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 
 // -- the record of one row of one shard -------------------------------------------
 #ifndef DV_CAND_CAP
-#define DV_CAND_CAP 2048  // candidates of the top-k selection held in shared memory
+#define DV_CAND_CAP 1024  // candidates of the top-k selection held in shared memory
 #endif
 
 // What every row needs: the reductions and the temperature path's bound.
