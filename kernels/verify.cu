@@ -25,7 +25,7 @@
 //
 //   dp_verify_records_nolist(the same arguments)
 //     the same records when kcap == 0 (no row has top-k), with the temperature queue's
-//     ~21 KB of shared memory per CTA instead of the top-k selection's ~26 KB
+//     ~21 KB of shared memory per CTA instead of the top-k kernel's ~33 KB
 //
 //   dp_verify_combine(u64 cand, u64 temperature, u64 top_k, u64 top_p, u64 min_p,
 //                     u64 seed, u64 offset, i64 kcap, i64 want_lp, i64 digest,

@@ -52,7 +52,9 @@
 #define DV_BLOCK 256  // threads per CTA of the record and combine kernels (a power of 2)
 #endif
 // CTAs per SM the record kernels ask the register allocator for (__launch_bounds__): with
-// the top-k selection's ~26 KB of shared memory, and without (about 20 KB).
+// the top-k selection (about 33 KB of shared memory: the vector keys' 12 KB and the
+// temperature queue's 20 KB, whose bytes the selection's 18 KB share), and without (about
+// 21 KB).
 #ifndef DV_LIST_MIN_CTAS
 #define DV_LIST_MIN_CTAS 3
 #endif
@@ -517,7 +519,11 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 
 // -- the record of one row of one shard -------------------------------------------
 #ifndef DV_CAND_CAP
-#define DV_CAND_CAP 1024  // candidates of the top-k selection held in shared memory
+// Candidates of the top-k selection held in shared memory (8 KB); a row with more (many
+// equal values) is selected by radix passes over the row instead. 1024 keeps the top-k
+// kernel within the queue's bytes, at about 33 KB a CTA: six of its 128-thread CTAs fit
+// on an H100 SM, where 2048 (38 KB) fit five and measured 5 % slower (BENCHMARKS.md).
+#define DV_CAND_CAP 1024
 #endif
 
 // What every row needs: the reductions and the temperature path's bound.
