@@ -29,3 +29,36 @@ step_in() {
     step "$t" "$here/$log" "$@" )
   echo "$log $tree $(date -u +%T)" >> "$here/misc.log"
 }
+
+# -- A/B calls of verify_batch_vocab (BENCHMARKS.md's sections) ------------------------
+# ab_misc TREE...: the call's misc.log header: the date, the GPU, each exported tree's
+# commit (step_in then appends "LOGFILE TREE time" a step)
+ab_misc() {
+  { date -u; nvidia-smi -L
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    for d in "$@"; do echo "$d $(cat "$d/COMMIT")"; done; } > "$out/misc.log" 2>&1
+}
+# the gated benches: B8 (pad_bs=8, graph-replayed, against argmax_batch_vocab) and B256
+# (pad_bs=256, eager, fp32 and bf16, against read_once), as arrays: "${B8[@]}" --verify-mix MIX
+VERIFY_COMMON=(--gated --tp 8 --num-tokens 4 --vocab 152064 --backends onesided --iters 10
+  --warmup 3 --ops verify_batch_vocab)
+B8=("${VERIFY_COMMON[@]}" --pad-bs 8 --mode graph --dtype fp32 --verify-baselines
+  argmax_batch_vocab)
+B256=("${VERIFY_COMMON[@]}" --pad-bs 256 --mode eager --dtype fp32,bf16 --verify-baselines
+  read_once)
+# the GPU tests' pytest command (each test file or -k selection after it)
+GPU_PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -rfE --tb=short)
+# ab_summary: the lines a call's closing note quotes (bench tables, bit-for-bit checks,
+# pytest summaries), from every log under $out
+ab_summary() {
+  cat "$out/misc.log"
+  grep -h "dp_verify_combine, the whole\|dp_verify_records, one\|checked bit\|WRONG\|Error" \
+    "$out"/bvk-*.log 2>/dev/null | cut -c1-160
+  for l in "$out"/bench-b*.log; do
+    [ -e "$l" ] || continue
+    echo "== $l"
+    grep -h "^# ipc-dpsample bench\|^onesided  \(float32\|bfloat16\)\|no point failed\|FAIL\|Error" \
+      "$l" | cut -c1-170
+  done
+  grep -h "passed\|failed\|error" "$out"/tests-*.log 2>/dev/null
+}
