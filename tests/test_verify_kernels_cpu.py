@@ -658,7 +658,7 @@ def test_top_k_threshold_sits_at_the_kth_digit(lib: Any) -> None:
 
 
 @pytest.mark.parametrize("block", [8, 32, 256])
-@pytest.mark.parametrize("lib", ["candidates"], indirect=True)
+@DEFAULT_CAP_ONLY
 def test_first_maximum_among_equal_maxima(lib: Any, block: int) -> None:
     # the first column of a row's maximum wins: equal maxima in later vectors of the same
     # thread (block 8: several vectors a thread) and of other threads, in other places of
@@ -695,7 +695,7 @@ def test_first_maximum_among_equal_maxima(lib: Any, block: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("lib", ["candidates"], indirect=True)
+@DEFAULT_CAP_ONLY
 def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) -> None:
     # the second pass keeps the vectors whose raw key lies in one range, which differs
     # for a threshold above zero, at zero (-0 counts as +0) and below zero: rows of
