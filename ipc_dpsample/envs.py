@@ -219,6 +219,14 @@ REGISTRY: dict[str, EnvVar] = {
             "tuning (compile time): the same in the record kernel of batches with top-k rows",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_PREFETCH_LINES",
+            _one_of_ints(0, 1, 2, 4),
+            0,
+            "tuning (compile time): 128-byte lines per thread of a record CTA's next row "
+            "asked of L2 while the CTA finishes its current row, in the record kernel of "
+            "batches without top-k rows (0: off)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -294,6 +302,7 @@ class OnesidedTuning:
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
     verify_list_unroll: int = 4
+    verify_prefetch_lines: int = 0
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -307,6 +316,7 @@ class OnesidedTuning:
             f"-DDV_NOLIST_MIN_CTAS={self.verify_ctas_per_sm}",
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
+            f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
         )
 
 
@@ -329,4 +339,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_ctas_per_sm=get("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM"),
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
+        verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
     )

@@ -496,9 +496,20 @@ __device__ __forceinline__ void verify_push_rows(const DpDesc& d, u64 src, const
     // (copied into every peer's below)
     unsigned* rec = (unsigned*)(peers[bcast ? d.rank : dest] + region) +
                     (((u64)d.rank * splits + sp) * rpd + i) * rec_words;
+    // the CTA's next unit's columns, asked of L2 during this one (DV_PREFETCH_LINES; the
+    // kernel without top-k lists only: on the top-k kernel 1 and 2 lines measured slower
+    // at pad_bs=256, BENCHMARKS.md)
+    const typename Tag::Storage* next = nullptr;
+    u32 next_nc = 0;
+    if (!kList && DV_PREFETCH_LINES > 0 && u + gridDim.x < units) {
+      const u32 gn = (u + gridDim.x) / splits, spn = u + gridDim.x - gn * splits;
+      const u32 cn = spn * cs;
+      next_nc = local_limit > cn ? (local_limit - cn < cs ? local_limit - cn : cs) : 0u;
+      next = (const typename Tag::Storage*)src + (u64)gn * ncols + cn;
+    }
     dv_row_record<Tag, kList>((const typename Tag::Storage*)src + (u64)g * ncols + c0, nc,
                               col0 + c0, p, pos, kcap, want_lp, (unsigned)cand[g], dg, rec, rs,
-                              qu, ls);
+                              qu, ls, next, next_nc);
   }
   if (!bcast || d.tp == 1) return;
   // broadcast: this CTA's records, complete (dv_row_record ends with a barrier), into

@@ -1354,11 +1354,40 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
 // Every thread of the block calls it; rec is complete when it returns. kList: the
 // kernel holds the top-k selection's shared memory (`ls`, whose queue is `q`); without
 // it (kcap must be 0) the row needs only `rs` and `q`, so more CTAs fit on an SM.
+// DV_PREFETCH_LINES 128-byte lines a thread of the first ones of the CTA's next row
+// (next, next_cols columns; null: none) asked of L2, once this row's first pass has read
+// its columns: the next row's first reads then come from L2 while this row's serial steps
+// (the temperature pass's noise) keep its own loads few. 0: off (no code). The one-sided
+// kernel without top-k lists passes its next row (env IPC_DPSAMPLE_VERIFY_PREFETCH_LINES).
+// With 2, pad_bs=256 temperature rows measured 3 % faster in fp32 and 1 % in bf16 on an
+// H100 (BENCHMARKS.md); the default stays 0 until the GPU tests have run on that build.
+#ifndef DV_PREFETCH_LINES
+#define DV_PREFETCH_LINES 0
+#endif
+template <typename S>
+__device__ __forceinline__ void dv_prefetch_head(const S* next, unsigned next_cols) {
+#if DV_PREFETCH_LINES > 0 && !defined(DP_ARGMAX_CPU_EMULATION)
+  if (next == nullptr) return;
+  const char* a = reinterpret_cast<const char*>(next);
+  const dv_u64 bytes = (dv_u64)next_cols * sizeof(S);
+#pragma unroll
+  for (unsigned j = 0; j < DV_PREFETCH_LINES; ++j) {
+    const dv_u64 at = ((dv_u64)j * blockDim.x + threadIdx.x) * 128ull;
+    if (at < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(a + at));
+  }
+#else
+  (void)next;
+  (void)next_cols;
+#endif
+}
+
 template <typename Tag, bool kList>
 __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                               const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
                               unsigned cand, unsigned digest, unsigned* rec, DvRowShared& rs,
-                              DvQueue& q, DvRecordShared* ls) {
+                              DvQueue& q, DvRecordShared* ls,
+                              const typename Tag::Storage* next = nullptr,
+                              unsigned next_cols = 0) {
   const unsigned t = threadIdx.x;
   dv_phase(DV_PH_REC + 0);
   const int mode = dv_mode(p);
@@ -1383,6 +1412,7 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   dv_phase(DV_PH_REC + 1);  // pass 1
+  dv_prefetch_head(next, next_cols);  // the CTA's next row, during this one's serial steps
   if (has_nan) {
     m = dv_neg_inf();
     max_id = DV_NO_ID;

@@ -63,6 +63,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_CTAS_PER_SM", "4")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
@@ -76,7 +77,14 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_NOLIST_MIN_CTAS=4",
         "-DDV_MAX_UNROLL=1",
         "-DDV_LIST_UNROLL=2",
+        "-DDV_PREFETCH_LINES=1",
     )
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
+    assert "-DDV_PREFETCH_LINES=0" in envs.onesided_tuning().compile_options  # off
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "3")
+    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_PREFETCH_LINES='3'"):
+        envs.onesided_tuning()
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL")
     assert "-DDV_LIST_UNROLL=4" in envs.onesided_tuning().compile_options  # the default
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
