@@ -1349,11 +1349,6 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   dv_block_best(sh.red, best_score, best_id, best_val);
 }
 
-// The record of one row: `ncols` counted columns (those below vocab_limit) starting at
-// global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
-// Every thread of the block calls it; rec is complete when it returns. kList: the
-// kernel holds the top-k selection's shared memory (`ls`, whose queue is `q`); without
-// it (kcap must be 0) the row needs only `rs` and `q`, so more CTAs fit on an SM.
 // DV_PREFETCH_LINES 128-byte lines a thread of the first ones of the CTA's next row
 // (next, next_cols columns; null: none) asked of L2, once this row's first pass has read
 // its columns: the next row's first reads then come from L2 while this row's serial steps
@@ -1381,6 +1376,12 @@ __device__ __forceinline__ void dv_prefetch_head(const S* next, unsigned next_co
 #endif
 }
 
+// The record of one row: `ncols` counted columns (those below vocab_limit) starting at
+// global id col0; rec is DV_HDR + 2*kcap words (shared or global memory of this CTA).
+// Every thread of the block calls it; rec is complete when it returns. kList: the
+// kernel holds the top-k selection's shared memory (`ls`, whose queue is `q`); without
+// it (kcap must be 0) the row needs only `rs` and `q`, so more CTAs fit on an SM.
+// next, next_cols: the CTA's next row, for dv_prefetch_head (null: none).
 template <typename Tag, bool kList>
 __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                               const DvParams& p, unsigned d, unsigned kcap, bool want_lp,
