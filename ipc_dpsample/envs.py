@@ -227,6 +227,14 @@ REGISTRY: dict[str, EnvVar] = {
             "batches without top-k rows (0: off)",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_RANK_COUNT",
+            _flag,
+            False,
+            "tuning (compile time): the owners' top-k merge ranks its entries by counting "
+            "staged keys (a warp's lanes reading the same key at once) instead of searching "
+            "the other sources' lists",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -303,6 +311,7 @@ class OnesidedTuning:
     verify_unroll: int = 2
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 0
+    verify_rank_count: bool = False
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -317,6 +326,7 @@ class OnesidedTuning:
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
+            f"-DDV_RANK_COUNT={int(self.verify_rank_count)}",
         )
 
 
@@ -340,4 +350,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
+        verify_rank_count=get("IPC_DPSAMPLE_VERIFY_RANK_COUNT"),
     )
