@@ -18,6 +18,9 @@ on a peer, so ncu can profile each kernel alone (its duration is the kernel's co
 ``--phases RUNS`` then says where each kernel's time goes: the kernels built with
 ``-DDV_PHASE_CLOCKS`` record the SM clock at each phase mark of their first CTA, and the
 median cycles between marks over RUNS launches are printed (BENCHMARKS.md has a table).
+The environment's compile-time knobs of the verify kernels (``IPC_DPSAMPLE_VERIFY_*``,
+the ``-DDV_*`` options of ``ipc_dpsample.envs.OnesidedTuning``) apply here as in the
+one-sided kernels.
 
 Every output is poisoned first and checked bit for bit against
 ``ipc_dpsample.layout.reference_verify_batch_vocab`` (the owners' launches: predict,
@@ -145,6 +148,14 @@ COMB_PHASES = (
 )
 
 
+def verify_options() -> tuple[str, ...]:
+    """The verify kernels' compile-time knobs the environment sets (the ``-DDV_*`` of
+    :attr:`ipc_dpsample.envs.OnesidedTuning.compile_options`)."""
+    from ipc_dpsample import envs
+
+    return tuple(o for o in envs.onesided_tuning().compile_options if o.startswith("-DDV_"))
+
+
 def phase_table(samples: np.ndarray, base: int, names: tuple[str, ...], khz: float) -> str:
     """The median cycles (and microseconds at ``khz``, the GPU's clock) from each reached
     phase mark to the next one reached, over ``samples`` ``[runs, PH_ALL]`` of clock64
@@ -212,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     records = cp.full((tp, rows, words), POISON, cp.uint32)
     err_rec = cp.zeros(tp, cp.uint32)
     name = "dp_verify_records" if cap else "dp_verify_records_nolist"
-    rec_k = get_kernel("verify.cu", name, cp.cuda.Device().id)
-    comb_k = get_kernel("verify.cu", "dp_verify_combine", cp.cuda.Device().id)
+    opts = verify_options()
+    rec_k = get_kernel("verify.cu", name, cp.cuda.Device().id, opts)
+    comb_k = get_kernel("verify.cu", "dp_verify_combine", cp.cuda.Device().id, opts)
     u, i = np.uint64, np.int64
     block = (256,)
 
@@ -321,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         from ipc_dpsample.kernel_cache import get_module
 
         dev = cp.cuda.Device().id
-        mod = get_module("verify.cu", dev, ("-DDV_PHASE_CLOCKS",))
+        mod = get_module("verify.cu", dev, (*opts, "-DDV_PHASE_CLOCKS"))
         clocks = cp.ndarray((PH_ALL,), cp.uint64, memptr=mod.get_global("dv_phase_clock"))
         khz = float(cp.cuda.runtime.getDeviceProperties(dev)["clockRate"])
 
