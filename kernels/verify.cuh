@@ -1559,15 +1559,16 @@ __device__ __forceinline__ dv_u64 dv_merge_key(float v, unsigned id) {
 // its key and pool entry in m_grp's and m_a's bytes (free until the scores), then a warp
 // takes 32 entries of one slot at a time, a lane each, and counts the slot's staged keys
 // above its own: every lane reads the same key at once (one broadcast load for the warp),
-// where the searches read a different entry per lane (the merge's longest phase, bound by
-// shared-memory bank conflicts). An entry of rank r < k_g goes to m_val / m_id[g][r].
+// where the searches read a different entry per lane (the merge's longest phase, likely
+// bound by shared-memory bank conflicts; not profiled). An entry of rank r < k_g goes to
+// m_val / m_id[g][r].
 // Every thread calls it; it ends with the block's barrier.
 __device__ void dv_rank_by_counting(DvCombineShared& sh, unsigned ns, unsigned tp,
                                     unsigned top_k, unsigned ranked) {
   const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
   const unsigned W = dv_nwarps(), ww = dv_warp_width();
-  dv_u64* key = reinterpret_cast<dv_u64*>(&sh.m_grp[0][0]);        // DV_RANK_STAGE
-  unsigned* ent = reinterpret_cast<unsigned*>(&sh.m_a[0][0]);        // DV_RANK_STAGE
+  dv_u64* key = reinterpret_cast<dv_u64*>(&sh.m_grp[0][0]);  // DV_RANK_STAGE of each
+  unsigned* ent = reinterpret_cast<unsigned*>(&sh.m_a[0][0]);
   static_assert(sizeof(sh.m_grp) >= DV_RANK_STAGE * sizeof(dv_u64), "m_grp holds the keys");
   static_assert(sizeof(sh.m_a) >= DV_RANK_STAGE * sizeof(unsigned), "m_a holds the entries");
   const unsigned pairs = ns * tp;
