@@ -6,7 +6,10 @@
 #     bash scripts/device_ab_verify.sh TREE...
 #
 # Each TREE is a `git archive` export (its commit in TREE/COMMIT) carried to the device;
-# run it from the repository root there. Every tree runs each step in turn (so the trees'
+# run it from the repository root there. A TREE (and TESTS) may name environment knobs
+# for its steps: DIR:VAR=VALUE[,VAR=VALUE...], e.g. `.devtree_a
+# .devtree_a:IPC_DPSAMPLE_VERIFY_RANK_COUNT=1` compares a knob on one tree (device_steps.sh's
+# spec_in); STEPS=none runs the tests alone. Every tree runs each step in turn (so the trees'
 # runs of a step are minutes apart at most), in this order:
 #   bvk   scripts/bench_verify_kernels.py --mix MIX --phases 20 (bvk-TREE.log)
 #   b8    the gated pad_bs=8 bench, graph-replayed (bench-b8.log)
@@ -26,16 +29,16 @@ ab_misc "$@"
 export STEP_SIGNAL=ABRT
 LIMIT=${LIMIT:-570}
 fits() { [ $((SECONDS + $1)) -lt "$LIMIT" ]; }
-name() { basename "$1" | sed 's/^\.devtree_//'; }
 for step in ${STEPS:-bvk b8 b256}; do
+  [ "$step" = none ] && continue
   for mix in ${MIXES:-topk50 temperature}; do
     for tree in "$@"; do
       case $step in
-        bvk) fits 40 && step_in "$tree" 60 "bvk-$(name "$tree").log" \
+        bvk) fits 40 && spec_in "$tree" 60 "bvk-$(spec_name "$tree").log" \
           python3 scripts/bench_verify_kernels.py --mix "$mix" --phases 20 ;;
-        b8) fits 25 && step_in "$tree" 40 bench-b8.log \
+        b8) fits 25 && spec_in "$tree" 40 bench-b8.log \
           python3 -m ipc_dpsample bench "${B8[@]}" --verify-mix "$mix" ;;
-        b256) fits 45 && step_in "$tree" 70 bench-b256.log \
+        b256) fits 45 && spec_in "$tree" 70 bench-b256.log \
           python3 -m ipc_dpsample bench "${B256[@]}" --verify-mix "$mix" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
       esac
@@ -44,12 +47,12 @@ for step in ${STEPS:-bvk b8 b256}; do
 done
 if [ -n "${TESTS:-}" ]; then
   f=tests/test_verify_onesided_gpu.py
-  log="tests-$(name "$TESTS").log"
-  fits 40 && step_in "$TESTS" 70 "$log" "${GPU_PYTEST[@]}" $f -k rank_threads
-  fits 25 && step_in "$TESTS" 40 "$log" "${GPU_PYTEST[@]}" $f -k "different_arguments or refused"
-  fits 35 && step_in "$TESTS" 50 "$log" "${GPU_PYTEST[@]}" tests/test_nccl_verify_gpu.py \
+  log="tests-$(spec_name "$TESTS").log"
+  fits 40 && spec_in "$TESTS" 70 "$log" "${GPU_PYTEST[@]}" $f -k rank_threads
+  fits 25 && spec_in "$TESTS" 40 "$log" "${GPU_PYTEST[@]}" $f -k "different_arguments or refused"
+  fits 35 && spec_in "$TESTS" 50 "$log" "${GPU_PYTEST[@]}" tests/test_nccl_verify_gpu.py \
     tests/test_triton_parity_gpu.py
-  fits 100 && step_in "$TESTS" 130 "$log" "${GPU_PYTEST[@]}" $f \
+  fits 100 && spec_in "$TESTS" 130 "$log" "${GPU_PYTEST[@]}" $f \
     -k "processes or real_vocabulary or graph_replayed"
 fi
 date -u >> "$OUT/misc.log"

@@ -36,7 +36,30 @@ step_in() {
 ab_misc() {
   { date -u; nvidia-smi -L
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    for d in "$@"; do echo "$d $(cat "$d/COMMIT")"; done; } > "$out/misc.log" 2>&1
+    for d in "$@"; do echo "$d $(cat "${d%%:*}/COMMIT")"; done; } > "$out/misc.log" 2>&1
+}
+# A tree SPEC is an exported tree, optionally with environment knobs for its steps:
+# DIR or DIR:VAR=VALUE[,VAR=VALUE...] (e.g. .devtree_a:IPC_DPSAMPLE_VERIFY_RANK_COUNT=1).
+# spec_name SPEC: a log-file name for it, of letters, digits, '.', '_' and '-' only
+# (.devtree_a:IPC_DPSAMPLE_X=1,IPC_DPSAMPLE_Y=2 -> a_X-1_Y-2)
+spec_name() {
+  local dir=${1%%:*} knobs=""
+  [ "$dir" != "$1" ] && knobs=_$(printf %s "${1#*:}" | sed 's/IPC_DPSAMPLE_//g; s/=/-/g; s/,/_/g')
+  printf '%s%s' "$(basename "$dir" | sed 's/^\.devtree_//')" "$knobs" | tr -c 'A-Za-z0-9._-' _
+}
+# spec_in SPEC SECONDS LOGFILE COMMAND...: step_in the SPEC's tree with its knobs exported,
+# after a "== SPEC" line in LOGFILE (which spec a shared bench log's run is)
+spec_in() {
+  local spec=$1 here=$out; shift
+  case "$here" in /*) ;; *) here=$PWD/$here ;; esac
+  echo "== $spec" >> "$here/$2"
+  (
+    if [ "${spec%%:*}" != "$spec" ]; then
+      IFS=, read -ra kv <<< "${spec#*:}"
+      for a in "${kv[@]}"; do export "${a?}"; done
+    fi
+    step_in "${spec%%:*}" "$@"
+  )
 }
 # the gated benches: B8 (pad_bs=8, graph-replayed, against argmax_batch_vocab) and B256
 # (pad_bs=256, eager, fp32 and bf16, against read_once), as arrays: "${B8[@]}" --verify-mix MIX
@@ -52,13 +75,13 @@ GPU_PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -rfE --tb=s
 # pytest summaries), from every log under $out
 ab_summary() {
   cat "$out/misc.log"
-  grep -h "dp_verify_combine, the whole\|dp_verify_records, one\|checked bit\|WRONG\|Error" \
-    "$out"/bvk-*.log 2>/dev/null | cut -c1-160
+  grep -H "dp_verify_combine, the whole\|dp_verify_records, one\|checked bit\|WRONG\|Error" \
+    "$out"/bvk-*.log 2>/dev/null | sed "s|^$out/||" | cut -c1-180
   for l in "$out"/bench-b*.log; do
     [ -e "$l" ] || continue
     echo "== $l"
-    grep -h "^# ipc-dpsample bench\|^onesided  \(float32\|bfloat16\)\|no point failed\|FAIL\|Error" \
+    grep -h "^== \|^# ipc-dpsample bench\|^onesided  \(float32\|bfloat16\)\|no point failed\|FAIL\|Error" \
       "$l" | cut -c1-170
   done
-  grep -h "passed\|failed\|error" "$out"/tests-*.log 2>/dev/null
+  grep -H "passed\|failed\|error" "$out"/tests-*.log 2>/dev/null | sed "s|^$out/||"
 }
