@@ -1537,6 +1537,21 @@ struct DvCombineShared {
 };
 
 
+// The (slot, source) pair of ranked entry u: x with pre[x] <= u < pre[x + 1] (pre is the
+// running count over the `pairs` pairs, pre[0] = 0; a bisection).
+__device__ __forceinline__ unsigned dv_pair_of(const unsigned* pre, unsigned pairs,
+                                               unsigned u) {
+  unsigned x = 0, hi = pairs;
+  while (hi - x > 1) {
+    const unsigned mid = (x + hi) / 2;
+    if (pre[mid] <= u)
+      x = mid;
+    else
+      hi = mid;
+  }
+  return x;
+}
+
 #ifndef DV_RANK_COUNT
 // 1: the merge's ranks by counting (dv_rank_by_counting) while a round's ranked entries
 // fit DV_RANK_STAGE, else by the searches below. 0 (the default): the searches only.
@@ -1573,14 +1588,7 @@ __device__ void dv_rank_by_counting(DvCombineShared& sh, unsigned ns, unsigned t
   static_assert(sizeof(sh.m_a) >= DV_RANK_STAGE * sizeof(unsigned), "m_a holds the entries");
   const unsigned pairs = ns * tp;
   for (unsigned u = t; u < ranked; u += B) {
-    unsigned x = 0, hi = pairs;  // the pair of entry u: pre[x] <= u < pre[x + 1]
-    while (hi - x > 1) {
-      const unsigned mid = (x + hi) / 2;
-      if (sh.pre[mid] <= u)
-        x = mid;
-      else
-        hi = mid;
-    }
+    const unsigned x = dv_pair_of(sh.pre, pairs, u);
     const unsigned g = x / tp, s = x - g * tp;
     const unsigned e = sh.off[g][s] + (u - sh.pre[x]);
     key[u] = dv_merge_key(sh.mval[e], sh.mid[e]);
@@ -1904,14 +1912,7 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       while (top_step * 2u <= sh.pre_longest) top_step *= 2u;
       const unsigned ranked = sh.pre[ns * tp];
       for (unsigned u = t; u < ranked; u += B) {
-        unsigned x = 0, hi = ns * tp;  // the pair of entry u: pre[x] <= u < pre[x + 1]
-        while (hi - x > 1) {
-          const unsigned mid = (x + hi) / 2;
-          if (sh.pre[mid] <= u)
-            x = mid;
-          else
-            hi = mid;
-        }
+        const unsigned x = dv_pair_of(sh.pre, ns * tp, u);
         const unsigned g = x / tp, s = x - g * tp, j = u - sh.pre[x];
         const unsigned e = sh.off[g][s] + j;
         const float ve = sh.mval[e];
