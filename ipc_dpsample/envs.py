@@ -235,14 +235,6 @@ REGISTRY: dict[str, EnvVar] = {
             "the other sources' lists",
         ),
         EnvVar(
-            "IPC_DPSAMPLE_VERIFY_TEMP_STACK",
-            _flag,
-            False,
-            "tuning (compile time): the record kernels' temperature pass keeps the columns "
-            "that pass its bound in one stack per lane instead of one queue per warp (no "
-            "ballot per column)",
-        ),
-        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -320,7 +312,6 @@ class OnesidedTuning:
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 0
     verify_rank_count: bool = False
-    verify_temp_stack: bool = False
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -336,7 +327,6 @@ class OnesidedTuning:
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
             f"-DDV_RANK_COUNT={int(self.verify_rank_count)}",
-            f"-DDV_TEMP_STACK={int(self.verify_temp_stack)}",
         )
 
 
@@ -361,5 +351,4 @@ def onesided_tuning() -> OnesidedTuning:
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
         verify_rank_count=get("IPC_DPSAMPLE_VERIFY_RANK_COUNT"),
-        verify_temp_stack=get("IPC_DPSAMPLE_VERIFY_TEMP_STACK"),
     )

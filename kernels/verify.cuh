@@ -1210,140 +1210,6 @@ __device__ float dv_raw_bound(float s, float T, float m) {
   return dv_unord(hi);
 }
 
-// DV_TEMP_STACK 1: the temperature pass keeps the columns that pass the bound in one stack
-// per lane instead of one queue per warp. A lane pushes a passing column with one 64-bit
-// shared store (entry s of thread t, (id << 32) | bits of x, at [s * blockDim + t] of the
-// queue's bytes), where the warp queue costs every column a ballot, two population
-// counts, the slot's address and two stores; no lane reads another's stack until the
-// row's end, so no warp barrier either. While every lane of the warp holds two entries
-// the warp scores two a lane (two Philox chains, full warps); a lane about to run out of
-// room makes the warp score a round anyway; the row's leftovers are scored two warps'
-// worth at a time, taken level by level (each lane's first entry, then the second ...).
-// 0 (default): the warp queue.
-#ifndef DV_TEMP_STACK
-#define DV_TEMP_STACK 0
-#endif
-#if DV_TEMP_STACK
-// The position of the r-th (from 0) set bit of mask (r < popc(mask)): a bisection.
-__device__ __forceinline__ unsigned dv_nth_bit(unsigned mask, unsigned r) {
-  unsigned pos = 0;
-  for (unsigned w = 16; w != 0u; w >>= 1) {
-    const unsigned c = __popc((mask >> pos) & ((1u << w) - 1u));
-    if (r >= c) {
-      r -= c;
-      pos += w;
-    }
-  }
-  return pos;
-}
-
-// dv_row_temp's scoring pass with per-lane stacks: every column of the row at or above
-// the raw bound xb goes through finish(x, global id, uniform) once (in no set order:
-// finish keeps the best under a total order). Every thread of the block calls it.
-template <typename Tag, typename Finish>
-__device__ void dv_temp_stack(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                              float xb, unsigned k0, unsigned k1, Finish& finish, DvQueue& q) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  constexpr unsigned G = E < 4u ? E : 4u;  // columns pushed between two room checks
-  static_assert(sizeof(DvQueue) % sizeof(dv_u64) == 0, "the stacks fill the queue's bytes");
-  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
-  const unsigned wmask = W == 32u ? DV_FULL : ((1u << W) - 1u);
-  dv_u64* const st = reinterpret_cast<dv_u64*>(&q);
-  const unsigned cap = (unsigned)(sizeof(DvQueue) / sizeof(dv_u64)) / B;  // >= 10 entries
-  // st[top]: this lane's next entry; it holds (top - t) / B entries
-  const unsigned two = t + 2u * B;         // at or above: two entries or more
-  const unsigned full = t + (cap - G) * B;  // above: no room for G more
-  unsigned top = t;
-  auto push = [&](float x, unsigned c, bool valid) {
-    if (valid && x >= xb) {
-#ifdef DP_ARGMAX_CPU_EMULATION
-      if (top >= cap * B) __builtin_trap();  // the room rule broken: the tests see it
-#endif
-      st[top] = ((dv_u64)(col0 + c) << 32) | argmax_f2u(x);
-      top += B;
-    }
-  };
-  // the rest of one entry's score
-  auto score = [&](dv_u64 e, unsigned w) {
-    finish(argmax_u2f((unsigned)(e & 0xFFFFFFFFull)), (unsigned)(e >> 32), dv_uniform(w));
-  };
-  // every lane scores its top two entries (those it has)
-  auto round = [&]() {
-    const bool ha = top != t, hc = top >= two;
-    const dv_u64 ea = st[ha ? top - B : top], ec = st[hc ? top - 2u * B : top];
-    const unsigned wa = dv_philox32_w0((unsigned)(ea >> 32), k0, k1);
-    const unsigned wc = dv_philox32_w0((unsigned)(ec >> 32), k0, k1);
-    if (ha) score(ea, wa);
-    if (hc) score(ec, wc);
-    top = hc ? top - 2u * B : t;
-  };
-  // score while every lane holds two entries, then until every lane has room for G more
-  auto settle = [&]() {
-    for (;;) {
-      const bool all_two = __ballot_sync(DV_FULL, top >= two) == wmask;
-      if (!all_two && __ballot_sync(DV_FULL, top > full) == 0u) break;
-      round();
-    }
-  };
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns
-    if (c0 + t < head) push(argmax_load1<Tag>(row + c0 + t), c0 + t, true);
-    settle();
-  }
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  ArgmaxVec16 cur;
-  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-  if (t < nvec) cur = argmax_load16(vp + t);
-  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
-    const unsigned v = v0 + t;
-    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
-    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = argmax_load16(vp + (v + B));
-    float xs[E];
-    ArgmaxUnpack<Tag>::run(cur, xs);
-#pragma unroll
-    for (unsigned j0 = 0; j0 < E; j0 += G) {
-#pragma unroll
-      for (unsigned j = j0; j < j0 + G; ++j) push(xs[j], head + v * E + j, v < nvec);
-      settle();
-    }
-    cur = nxt;
-  }
-  const unsigned tail = head + nvec * E;
-  for (unsigned c = tail + t; c < ncols + t; c += B) {  // fewer than E columns
-    if (c < ncols) push(argmax_load1<Tag>(row + c), c, true);
-    settle();
-  }
-  // the leftovers, level by level: entry s of every lane holding one, then s + 1 ...;
-  // round r scores the warp's entries base .. base + 2W - 1 of that order
-  __syncwarp();
-  const unsigned wbase = t & ~31u, n = (top - t) / B;
-  for (unsigned base = 0;; base += 2u * W) {
-    const unsigned ka = base + lane, kc = base + W + lane;
-    unsigned sa = DV_NO_ID, sc = DV_NO_ID;  // where they are: level * B + source thread
-    unsigned total = 0;
-    for (unsigned s = 0;; ++s) {
-      const unsigned mask = __ballot_sync(DV_FULL, n > s);
-      if (mask == 0u) break;
-      const unsigned cnt = __popc(mask);
-      if (ka >= total && ka < total + cnt) sa = s * B + wbase + dv_nth_bit(mask, ka - total);
-      if (kc >= total && kc < total + cnt) sc = s * B + wbase + dv_nth_bit(mask, kc - total);
-      total += cnt;
-    }
-    if (base >= total) break;  // uniform over the warp
-    const dv_u64 ea = st[sa != DV_NO_ID ? sa : t], ec = st[sc != DV_NO_ID ? sc : t];
-    const unsigned wa = dv_philox32_w0((unsigned)(ea >> 32), k0, k1);
-    const unsigned wc = dv_philox32_w0((unsigned)(ec >> 32), k0, k1);
-    if (sa != DV_NO_ID) score(ea, wa);
-    if (sc != DV_NO_ID) score(ec, wc);
-  }
-}
-#endif
-
 // The best (score desc, id asc) column of a TEMP row of one shard: m (its column
 // max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
 // column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
@@ -1379,29 +1245,6 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   if (t == 0) sh.bound = dv_raw_bound(best_score, T, m);  // m's score is at most this
   __syncthreads();
   const float xb = sh.bound;
-  // the rest of one queued column's score, its uniform u known
-  auto finish = [&](float x, unsigned id, float u) {
-    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
-    // a wide margin, skips the exact division and noise of the columns that cannot win
-    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
-    if (!(dv_fadd(zh, DV_G_BOUND) >= best_score)) return;  // cannot win
-    if (u < __expf(-__expf(zh - best_score)) * 0.9999f) return;
-    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
-    if (dv_better(sc, id, best_score, best_id)) {
-      best_score = sc;
-      best_id = id;
-      best_val = x;
-    }
-  };
-#if DV_TEMP_STACK
-  dv_temp_stack<Tag>(row, ncols, col0, xb, k0, k1, finish, q);
-  (void)sizeof(S);
-  (void)E;
-  (void)B;
-  (void)lane;
-  (void)W;
-#else
   const float first_val = best_val;  // a column that never beats the best (queue padding)
   const unsigned first_id = best_id;
   float* qx = q.x[t >> 5];
@@ -1417,6 +1260,21 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
       qid[slot] = col0 + c;
     }
     cnt += __popc(mask);
+  };
+  // the rest of one queued column's score, its uniform u known
+  auto finish = [&](float x, unsigned id, float u) {
+    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
+    // a wide margin, skips the exact division and noise of the columns that cannot win
+    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
+    if (!(dv_fadd(zh, DV_G_BOUND) >= best_score)) return;  // cannot win
+    if (u < __expf(-__expf(zh - best_score)) * 0.9999f) return;
+    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
+    if (dv_better(sc, id, best_score, best_id)) {
+      best_score = sc;
+      best_id = id;
+      best_val = x;
+    }
   };
   // score every two warps' worth of the queue, move the rest to its front
   auto drain = [&]() {
@@ -1488,7 +1346,6 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
     cnt = 2 * W;
     drain();
   }
-#endif
   dv_block_best(sh.red, best_score, best_id, best_val);
 }
 

@@ -65,7 +65,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT", "1")
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_STACK", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
@@ -81,10 +80,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_LIST_UNROLL=2",
         "-DDV_PREFETCH_LINES=1",
         "-DDV_RANK_COUNT=1",
-        "-DDV_TEMP_STACK=1",
     )
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_STACK")
-    assert "-DDV_TEMP_STACK=0" in envs.onesided_tuning().compile_options  # off
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT")
     assert "-DDV_RANK_COUNT=0" in envs.onesided_tuning().compile_options  # off
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")

@@ -21,11 +21,10 @@ NVCC = shutil.which("nvcc")
 
 # the one-sided kernels' compile-time knobs, as the environment sets them
 # (IPC_DPSAMPLE_SWAP_UNROLL / _STREAMING / _CTA_FENCE, IPC_DPSAMPLE_ARGMAX_UNROLL,
-# IPC_DPSAMPLE_VERIFY_PREFETCH_LINES, IPC_DPSAMPLE_VERIFY_RANK_COUNT,
-# IPC_DPSAMPLE_VERIFY_TEMP_STACK)
+# IPC_DPSAMPLE_VERIFY_PREFETCH_LINES, IPC_DPSAMPLE_VERIFY_RANK_COUNT)
 KNOBS = {
     "default": list(OnesidedTuning(512, 32768, 2, 4, True, False, "barrier").compile_options),
-    "unroll8-streaming-sysfence-prefetch2-rankcount-stack": list(
+    "unroll8-streaming-sysfence-prefetch2-rankcount": list(
         OnesidedTuning(
             512,
             32768,
@@ -38,7 +37,6 @@ KNOBS = {
             "sys",
             verify_prefetch_lines=2,
             verify_rank_count=True,
-            verify_temp_stack=True,
         ).compile_options
     ),
 }
@@ -52,7 +50,7 @@ KNOBS = {
 JOBS = (
     ("sm_90", "default", "cubin"),
     ("sm_80", "default", "ptx"),
-    ("sm_90", "unroll8-streaming-sysfence-prefetch2-rankcount-stack", "ptx"),
+    ("sm_90", "unroll8-streaming-sysfence-prefetch2-rankcount", "ptx"),
 )
 PARALLEL = 2  # compiles at once (CI has 2 cores)
 

@@ -126,12 +126,10 @@ VLISTS = {"small": 2, "row-passes": 1}
 #: the default build searches), with a stage so small in "row-passes" that rows of wide
 #: lists fall back to the searches there
 RANK_STAGES = {"small": 512, "row-passes": 64}
-#: ... and the temperature pass's per-lane stacks (``DV_TEMP_STACK=1``; the default build
-#: queues per warp)
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
-#: the default build only: tests of paths that the other builds do not change or whose
-#: top-k and first-pass variants other tests already run on every build (column blocks:
-#: the shard tests run the same selection at other offsets)
+#: the default build only: tests of paths that the other builds do not change (the
+#: temperature queue) or whose top-k and first-pass variants other tests already run on
+#: every build (column blocks: the shard tests run the same selection at other offsets)
 DEFAULT_CAP_ONLY = pytest.mark.parametrize("lib", ["candidates"], indirect=True)
 
 
@@ -161,7 +159,6 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_VLIST={VLISTS[name]}",
             "-DDV_RANK_COUNT=1",
             f"-DDV_RANK_STAGE={RANK_STAGES[name]}",
-            "-DDV_TEMP_STACK=1",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
@@ -733,12 +730,13 @@ def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) ->
     _check(got[:3], want, pad_bs, f"top-k rows at or below zero {dtype}")
 
 
+@DEFAULT_CAP_ONLY
 @pytest.mark.parametrize("block", [8, 32, 256])
 def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     # two equal maxima per shard row, every other column far below: the pass's only
     # contenders are the first (the initial best) and the last column of the shard, which
     # wins on about half the rows, and which no full queue ever scores (the queues'
-    # leftovers must be; with per-lane stacks, "row-passes", the row's leftovers)
+    # leftovers must be)
     tp, vs, n, pad_bs = 2, 997, 1, 64
     g = np.random.default_rng(23)
     full = (g.standard_normal((pad_bs, vs * tp)) - 60).astype(np.float32)
@@ -752,29 +750,6 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     assert np.array_equal(got[0], want[0])
     last = np.isin(want[0][:, 0], [(s + 1) * vs - 1 for s in range(tp)])
     assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
-
-
-@pytest.mark.parametrize(("dtype", "block"), [("float32", 32), ("float32", 256), ("bfloat16", 256)])
-def test_temperature_contenders_on_one_lane(lib: Any, dtype: str, block: int) -> None:
-    # every contender of a row sits in the vectors of one lane of the block (one 16-byte
-    # vector in `block`, give or take the row's misaligned head), every other column far
-    # below: that lane alone collects passing columns, more than a per-lane stack holds
-    # ("row-passes"), so its warp must score before it runs out of room
-    tp, vs, n, pad_bs = 2, 4001, 1, 8
-    per_vec = 4 if dtype == "float32" else 8
-    g = np.random.default_rng([31, block, per_vec])
-    full = (g.standard_normal((pad_bs, vs * tp)) - 60).astype(np.float32)
-    col = np.arange(vs * tp) % vs
-    hot = (col // per_vec) % block == 0
-    full[:, hot] = (g.standard_normal((pad_bs, int(hot.sum()))) * 0.5 + 5).astype(np.float32)
-    enc = _encode(full, dtype)
-    shards = [np.ascontiguousarray(enc[:, s * vs : (s + 1) * vs]) for s in range(tp)]
-    prm = _stream_params(g, np.ones(pad_bs, np.float32))
-    cand = np.zeros((pad_bs, n), np.int32)
-    got, _, _ = run_kernels(lib, shards, cand, prm, dtype=dtype, block=block)
-    want = reference_verify_batch_vocab(shards, cand, tp=tp, pad_bs=pad_bs, dtype=dtype, **prm)
-    assert np.array_equal(got[0], want[0])
-    assert hot[want[0][:, 0]].all()
 
 
 @DEFAULT_CAP_ONLY
