@@ -221,18 +221,10 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_PREFETCH_LINES",
             _one_of_ints(0, 1, 2, 4),
-            0,
+            2,
             "tuning (compile time): 128-byte lines per thread of a record CTA's next row "
             "asked of L2 while the CTA finishes its current row, in the record kernel of "
             "batches without top-k rows (0: off)",
-        ),
-        EnvVar(
-            "IPC_DPSAMPLE_VERIFY_RANK_COUNT",
-            _flag,
-            False,
-            "tuning (compile time): the owners' top-k merge ranks its entries by counting "
-            "staged keys (a warp's lanes reading the same key at once) instead of searching "
-            "the other sources' lists",
         ),
         EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
@@ -310,8 +302,7 @@ class OnesidedTuning:
     verify_ctas_per_sm: int = 3
     verify_unroll: int = 2
     verify_list_unroll: int = 4
-    verify_prefetch_lines: int = 0
-    verify_rank_count: bool = False
+    verify_prefetch_lines: int = 2
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -326,7 +317,6 @@ class OnesidedTuning:
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
-            f"-DDV_RANK_COUNT={int(self.verify_rank_count)}",
         )
 
 
@@ -350,5 +340,4 @@ def onesided_tuning() -> OnesidedTuning:
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
-        verify_rank_count=get("IPC_DPSAMPLE_VERIFY_RANK_COUNT"),
     )

@@ -1354,10 +1354,11 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
 // its columns: the next row's first reads then come from L2 while this row's serial steps
 // (the temperature pass's noise) keep its own loads few. 0: off (no code). The one-sided
 // kernel without top-k lists passes its next row (env IPC_DPSAMPLE_VERIFY_PREFETCH_LINES).
-// With 2, pad_bs=256 temperature rows measured 3 % faster in fp32 and 1 % in bf16 on an
-// H100 (BENCHMARKS.md); the default stays 0 until the GPU tests have run on that build.
+// With 2 (the default), pad_bs=256 temperature rows measured 3 % faster in fp32 and 1 % in
+// bf16 on an H100 (BENCHMARKS.md); top-k rows were slower with it, so the kernel of batches
+// with top-k lists never asks.
 #ifndef DV_PREFETCH_LINES
-#define DV_PREFETCH_LINES 0
+#define DV_PREFETCH_LINES 2
 #endif
 template <typename S>
 __device__ __forceinline__ void dv_prefetch_head(const S* next, unsigned next_cols) {
@@ -1551,81 +1552,6 @@ __device__ __forceinline__ unsigned dv_pair_of(const unsigned* pre, unsigned pai
   }
   return x;
 }
-
-#ifndef DV_RANK_COUNT
-// 1: the merge's ranks by counting (dv_rank_by_counting) while a round's ranked entries
-// fit DV_RANK_STAGE, else by the searches below. 0 (the default): the searches only.
-#define DV_RANK_COUNT 0
-#endif
-#ifndef DV_RANK_STAGE
-#define DV_RANK_STAGE 512  // ranked entries staged at once (in m_grp's and m_a's bytes)
-#endif
-
-#if DV_RANK_COUNT
-// An entry's place in the merge order as one integer: larger = earlier (order key desc,
-// then id asc). A row's ids are distinct (the sources hold disjoint columns), so no two
-// entries of a slot tie.
-__device__ __forceinline__ dv_u64 dv_merge_key(float v, unsigned id) {
-  return ((dv_u64)dv_order_key(v) << 32) | (dv_u64)(0xFFFFFFFFu ^ id);
-}
-
-// The merge's ranks by counting: every ranked entry (the prefixes up to each slot's cut,
-// `ranked` <= DV_RANK_STAGE of them, slot after slot as sh.pre counts them) is staged as
-// its key and pool entry in m_grp's and m_a's bytes (free until the scores), then a warp
-// takes 32 entries of one slot at a time, a lane each, and counts the slot's staged keys
-// above its own: every lane reads the same key at once (one broadcast load for the warp),
-// where the searches read a different entry per lane (the merge's longest phase, likely
-// bound by shared-memory bank conflicts; not profiled). An entry of rank r < k_g goes to
-// m_val / m_id[g][r].
-// Every thread calls it; it ends with the block's barrier.
-__device__ void dv_rank_by_counting(DvCombineShared& sh, unsigned ns, unsigned tp,
-                                    unsigned top_k, unsigned ranked) {
-  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u;
-  const unsigned W = dv_nwarps(), ww = dv_warp_width();
-  dv_u64* key = reinterpret_cast<dv_u64*>(&sh.m_grp[0][0]);  // DV_RANK_STAGE of each
-  unsigned* ent = reinterpret_cast<unsigned*>(&sh.m_a[0][0]);
-  static_assert(sizeof(sh.m_grp) >= DV_RANK_STAGE * sizeof(dv_u64), "m_grp holds the keys");
-  static_assert(sizeof(sh.m_a) >= DV_RANK_STAGE * sizeof(unsigned), "m_a holds the entries");
-  const unsigned pairs = ns * tp;
-  for (unsigned u = t; u < ranked; u += B) {
-    const unsigned x = dv_pair_of(sh.pre, pairs, u);
-    const unsigned g = x / tp, s = x - g * tp;
-    const unsigned e = sh.off[g][s] + (u - sh.pre[x]);
-    key[u] = dv_merge_key(sh.mval[e], sh.mid[e]);
-    ent[u] = e;
-  }
-  __syncthreads();
-  // the warps' tasks: slot g's entries pre[g * tp] .. pre[(g + 1) * tp), ww a task
-  for (unsigned q = t >> 5;; q += W) {
-    unsigned g = 0, r = q, base = 0, n = 0;
-    for (; g < ns; ++g) {  // (uniform over the warp)
-      base = sh.pre[g * tp];
-      n = sh.pre[(g + 1) * tp] - base;
-      const unsigned tasks = (n + ww - 1u) / ww;
-      if (r < tasks) break;
-      r -= tasks;
-    }
-    if (g == ns) break;
-    const unsigned tot = sh.slot_base[g + 1] - sh.slot_base[g];
-    const unsigned kg = top_k < tot ? top_k : tot;
-    const unsigned i = r * ww + lane;  // this lane's entry of the slot
-    const dv_u64 mine = i < n ? key[base + i] : ~0ull;
-    unsigned above = 0;
-    const dv_u64* k = key + base;
-    unsigned j = 0;
-    for (; j + 4u <= n; j += 4u)
-      above += (k[j] > mine ? 1u : 0u) + (k[j + 1] > mine ? 1u : 0u) +
-               (k[j + 2] > mine ? 1u : 0u) + (k[j + 3] > mine ? 1u : 0u);
-    for (; j < n; ++j) above += k[j] > mine ? 1u : 0u;
-    if (i < n && above < kg) {
-      const unsigned e = ent[base + i];
-      sh.m_val[g][above] = sh.mval[e];
-      sh.m_id[g][above] = sh.mid[e];
-    }
-  }
-  __syncthreads();  // m_grp and m_a are read as keys no more
-}
-#endif
 
 // Combine the tp records of request `req` (rows req*N .. req*N+N-1; local request i,
 // its records at recs + (s * rows_per_src + i*N + d) * rec_words) and write the
@@ -1899,11 +1825,6 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
       }
       __syncthreads();
       dv_phase(DV_PH_COMB + 8);
-#if DV_RANK_COUNT  // (the searches below keep their indentation: the default build's code)
-      if (sh.pre[ns * tp] <= DV_RANK_STAGE) {
-        dv_rank_by_counting(sh, ns, tp, (unsigned)p.top_k, sh.pre[ns * tp]);
-      } else {
-#endif
       // each ranked entry's rank in its row's merge: its place in its own list plus the
       // entries of every other source before it (key desc, id asc), which lie in that
       // source's prefix: counted by a branchless search of fixed steps, DV_MERGE_ILP
@@ -1950,9 +1871,6 @@ __device__ unsigned dv_combine_request(const unsigned* recs, unsigned tp, unsign
           sh.m_id[g][rank] = ie;
         }
       }
-#if DV_RANK_COUNT
-      }
-#endif
       __syncthreads();
       dv_phase(DV_PH_COMB + 9);  // ranks
       // the first k of every slot: scaled logit, score, top-p mass term

@@ -8,7 +8,7 @@
 # Each TREE is a `git archive` export (its commit in TREE/COMMIT) carried to the device;
 # run it from the repository root there. A TREE (and TESTS) may name environment knobs
 # for its steps: DIR:VAR=VALUE[,VAR=VALUE...], e.g. `.devtree_a
-# .devtree_a:IPC_DPSAMPLE_VERIFY_RANK_COUNT=1` compares a knob on one tree (device_steps.sh's
+# .devtree_a:IPC_DPSAMPLE_VERIFY_CTAS_PER_SM=4` compares a knob on one tree (device_steps.sh's
 # spec_in); STEPS=none runs the tests alone. Every tree runs each step in turn (so the trees'
 # runs of a step are minutes apart at most), in this order:
 #   bvk   scripts/bench_verify_kernels.py --mix MIX --phases 20 (bvk-TREE.log)

@@ -39,7 +39,7 @@ ab_misc() {
     for d in "$@"; do echo "$d $(cat "${d%%:*}/COMMIT")"; done; } > "$out/misc.log" 2>&1
 }
 # A tree SPEC is an exported tree, optionally with environment knobs for its steps:
-# DIR or DIR:VAR=VALUE[,VAR=VALUE...] (e.g. .devtree_a:IPC_DPSAMPLE_VERIFY_RANK_COUNT=1).
+# DIR or DIR:VAR=VALUE[,VAR=VALUE...] (e.g. .devtree_a:IPC_DPSAMPLE_VERIFY_CTAS_PER_SM=4).
 # spec_name SPEC: a log-file name for it, of letters, digits, '.', '_' and '-' only
 # (.devtree_a:IPC_DPSAMPLE_X=1,IPC_DPSAMPLE_Y=2 -> a_X-1_Y-2)
 spec_name() {

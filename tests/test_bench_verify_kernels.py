@@ -27,12 +27,12 @@ def test_the_defaults_are_the_gated_bench_shape() -> None:
 def test_the_environment_knobs_of_the_verify_kernels_apply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT", raising=False)
-    assert "-DDV_RANK_COUNT=0" in bvk.verify_options()
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT", "1")
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_UNROLL", raising=False)
+    assert "-DDV_MAX_UNROLL=2" in bvk.verify_options()
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
     opts = bvk.verify_options()
-    assert "-DDV_RANK_COUNT=1" in opts and "-DDV_LIST_UNROLL=2" in opts
+    assert "-DDV_MAX_UNROLL=1" in opts and "-DDV_LIST_UNROLL=2" in opts
     assert all(o.startswith("-DDV_") for o in opts)  # the swap's knobs stay out
 
 

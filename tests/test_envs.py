@@ -64,7 +64,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "1")
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
@@ -79,12 +78,9 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_MAX_UNROLL=1",
         "-DDV_LIST_UNROLL=2",
         "-DDV_PREFETCH_LINES=1",
-        "-DDV_RANK_COUNT=1",
     )
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_RANK_COUNT")
-    assert "-DDV_RANK_COUNT=0" in envs.onesided_tuning().compile_options  # off
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
-    assert "-DDV_PREFETCH_LINES=0" in envs.onesided_tuning().compile_options  # off
+    assert "-DDV_PREFETCH_LINES=2" in envs.onesided_tuning().compile_options  # default
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "3")
     with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_PREFETCH_LINES='3'"):
         envs.onesided_tuning()

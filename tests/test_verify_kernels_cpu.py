@@ -122,10 +122,6 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: ... and a warp's list of the vectors to read again so short that wide shards overflow
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
-#: ... and the owners' top-k merge ranked by counting staged keys (``DV_RANK_COUNT=1``;
-#: the default build searches), with a stage so small in "row-passes" that rows of wide
-#: lists fall back to the searches there
-RANK_STAGES = {"small": 512, "row-passes": 64}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change (the
 #: temperature queue) or whose top-k and first-pass variants other tests already run on
@@ -157,8 +153,6 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_LIST_UNROLL={unroll}",
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
-            "-DDV_RANK_COUNT=1",
-            f"-DDV_RANK_STAGE={RANK_STAGES[name]}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
