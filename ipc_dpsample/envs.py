@@ -227,6 +227,14 @@ REGISTRY: dict[str, EnvVar] = {
             "batches without top-k rows (0: off)",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_TEMP_REVERSE",
+            _flag,
+            False,
+            "tuning (compile time): the record kernels' temperature pass reads its row again "
+            "last vectors first (the first pass read them last, so L2 more likely still "
+            "holds them)",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -303,6 +311,7 @@ class OnesidedTuning:
     verify_unroll: int = 2
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
+    verify_temp_reverse: bool = False
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -317,6 +326,7 @@ class OnesidedTuning:
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
+            f"-DDV_TEMP_REVERSE={int(self.verify_temp_reverse)}",
         )
 
 
@@ -340,4 +350,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
+        verify_temp_reverse=get("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE"),
     )

@@ -122,10 +122,12 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: ... and a warp's list of the vectors to read again so short that wide shards overflow
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
+#: ... and the temperature pass's second read last vectors first (``DV_TEMP_REVERSE=1``; the
+#: default build reads them first to last)
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
-#: the default build only: tests of paths that the other builds do not change (the
-#: temperature queue) or whose top-k and first-pass variants other tests already run on
-#: every build (column blocks: the shard tests run the same selection at other offsets)
+#: the default build only: tests of paths that the other builds do not change or whose
+#: top-k and first-pass variants other tests already run on every build (column blocks:
+#: the shard tests run the same selection at other offsets)
 DEFAULT_CAP_ONLY = pytest.mark.parametrize("lib", ["candidates"], indirect=True)
 
 
@@ -153,6 +155,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_LIST_UNROLL={unroll}",
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
+            "-DDV_TEMP_REVERSE=1",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
@@ -724,7 +727,6 @@ def test_top_k_rows_whose_threshold_is_negative_or_zero(lib: Any, dtype: str) ->
     _check(got[:3], want, pad_bs, f"top-k rows at or below zero {dtype}")
 
 
-@DEFAULT_CAP_ONLY
 @pytest.mark.parametrize("block", [8, 32, 256])
 def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     # two equal maxima per shard row, every other column far below: the pass's only
