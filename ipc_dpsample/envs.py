@@ -235,6 +235,14 @@ REGISTRY: dict[str, EnvVar] = {
             "holds them)",
         ),
         EnvVar(
+            "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
+            _flag,
+            False,
+            "tuning (compile time): the record kernels read a temperature row once, its "
+            "maximum and its sampled column from the same read (the bound on the columns "
+            "worth scoring rises as the block scores them), instead of twice",
+        ),
+        EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
             _flag,
             False,
@@ -312,6 +320,7 @@ class OnesidedTuning:
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
     verify_temp_reverse: bool = False
+    verify_temp_onepass: bool = False
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -327,6 +336,7 @@ class OnesidedTuning:
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
             f"-DDV_TEMP_REVERSE={int(self.verify_temp_reverse)}",
+            f"-DDV_TEMP_ONEPASS={int(self.verify_temp_onepass)}",
         )
 
 
@@ -351,4 +361,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
         verify_temp_reverse=get("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE"),
+        verify_temp_onepass=get("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS"),
     )

@@ -526,10 +526,25 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 #define DV_CAND_CAP 1024
 #endif
 
+// DV_TEMP_ONEPASS 1: a temperature row is read once (dv_row_max_temp): its maximum and its
+// sampled column come from the same pass, the bound on the columns worth scoring rising as
+// the block scores them. 0 (default): the maximum first, then a second read (dv_row_temp),
+// which an H100 found mostly coming from DRAM again (BENCHMARKS.md). Not yet measured on a
+// GPU.
+#ifndef DV_TEMP_ONEPASS
+#define DV_TEMP_ONEPASS 0
+#endif
+#ifndef DV_ONEPASS_UNROLL
+#define DV_ONEPASS_UNROLL 2  // 16-byte loads a thread issues a round ahead in that pass
+#endif
+
 // What every row needs: the reductions and the temperature path's bound.
 struct DvRowShared {
   DvShared red;
   float bound;
+#if DV_TEMP_ONEPASS
+  unsigned best_key;  // dv_row_max_temp: the best score reached so far (dv_ord; 0: none)
+#endif
 };
 
 // Each warp's queue of the columns that pass the temperature path's bound
@@ -1370,6 +1385,255 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   dv_block_best(sh.red, best_score, best_id, best_val);
 }
 
+// The largest float32 at or below d (not NaN).
+__device__ __forceinline__ float dv_float_down(double d) {
+  float f = (float)d;
+  if ((double)f > d) {
+    const unsigned u = argmax_f2u(f);
+    f = f > 0.0f ? argmax_u2f(u - 1u) : (f == 0.0f ? argmax_u2f(0x80000001u) : argmax_u2f(u + 1u));
+  }
+  return f;
+}
+
+// A raw logit at or below every x with float32(float32(x / T) + DV_G_BOUND) >= s (T > 0):
+// at or below dv_raw_bound's result, without its search (float64, margins far above the
+// roundings'); -inf when s is not finite (every column then passes).
+__device__ __forceinline__ float dv_raw_bound_fast(float s, float T) {
+  if (!argmax_isfinite(s)) return dv_neg_inf();
+  const double sd = (double)s;
+  // a float32 sum at or above s: its exact sum is at or above s - |s| 2**-24 - 2**-150
+  double c = sd - (double)DV_G_BOUND - (fabs(sd) * 0x1p-20 + 0x1p-140);
+  // a float32 quotient at or above c: the exact x / T is at or above c - |c| 2**-24 - 2**-150
+  c -= fabs(c) * 0x1p-20 + 0x1p-140;
+  const double xd = c * (double)T;
+  return dv_float_down(xd - fabs(xd) * 0x1p-40);
+}
+
+#if DV_TEMP_ONEPASS
+// A shared word another warp may raise (a load the loop does not keep in a register).
+__device__ __forceinline__ unsigned dv_shared_read(const unsigned* p) {
+#ifdef DP_ARGMAX_CPU_EMULATION
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+#else
+  return *(const volatile unsigned*)p;
+#endif
+}
+
+// A TEMP row's one read (DV_TEMP_ONEPASS): what dv_row_max gives (this thread's first
+// maximum m at column mc, and whether one of its columns is NaN) and, as dv_row_temp
+// finds it, this thread's best (score desc, id asc) column under the row's noise
+// (best_*). The caller takes the block's best when the row has no NaN and a finite
+// maximum; otherwise it calls dv_row_temp, which reads the row again.
+// No score is known before the read, so the bound starts from a seed: the block's
+// maximum over every thread's first vector, scored (one noise a row). Then, as in
+// dv_row_temp, each warp queues the columns at or above its bound and scores 64 at a
+// time; a lane whose best rises raises the block's best (sh.best_key), and each warp
+// reads that back after each drain and raises its bound. Every bound comes from a score
+// some column of the row reaches, which the winner's is at or above, so the winner is
+// always queued and scored; the bound is a cheap one at or below dv_raw_bound's. The
+// loads run a round of DV_ONEPASS_UNROLL vectors a thread ahead.
+template <typename Tag>
+__device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols,
+                                unsigned col0, const DvParams& p, unsigned d, float& m,
+                                unsigned& mc, float& best_score, unsigned& best_id,
+                                float& best_val, DvRowShared& sh, DvQueue& q) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec, U = DV_ONEPASS_UNROLL;
+  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
+  const dv_u64 key = dv_stream_key(p, d);
+  const float T = p.temperature, rT = 1.0f / T;
+  const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
+  m = dv_neg_inf();
+  mc = DV_NO_ID;
+  bool nan = false;
+  float nacc = 0.0f;  // NaN once a vector had one
+  best_score = dv_neg_inf();
+  best_id = DV_NO_ID;
+  best_val = dv_neg_inf();
+  float bar = dv_neg_inf();  // the best score this lane knows of (its own or the block's)
+  unsigned bar_key = 0u;     // (dv_ord of bar; 0: none)
+  float xb = dv_neg_inf();   // dv_raw_bound_fast(bar)
+  bool improved = false;     // this lane's best rose since it last raised the block's
+  float* qx = q.x[t >> 5];
+  unsigned* qid = q.id[t >> 5];
+  unsigned cnt = 0;  // the warp's queue length (the same on every lane)
+  auto push = [&](float x, unsigned c, bool valid) {
+    const bool pass = valid && x >= xb;
+    const unsigned mask = __ballot_sync(DV_FULL, pass);
+    if (pass) {
+      const unsigned slot = cnt + __popc(mask & ((1u << lane) - 1u));
+      qx[slot] = x;
+      qid[slot] = col0 + c;
+    }
+    cnt += __popc(mask);
+  };
+  // dv_row_temp's, against bar: a score below any reached cannot win
+  auto finish = [&](float x, unsigned id, float u) {
+    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
+    if (!(dv_fadd(zh, DV_G_BOUND) >= bar)) return;
+    if (u < __expf(-__expf(zh - bar)) * 0.9999f) return;
+    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
+    if (dv_better(sc, id, best_score, best_id)) {
+      best_score = sc;
+      best_id = id;
+      best_val = x;
+      improved = true;
+    }
+  };
+  auto drain = [&]() {
+    if (cnt < 2 * W) return;  // uniform over the warp
+    __syncwarp();
+    unsigned base = 0;
+    for (; base + 2 * W <= cnt; base += 2 * W) {
+      const float xa = qx[base + lane], xc = qx[base + W + lane];
+      const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
+      const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
+      finish(xa, ia, dv_uniform(wa));
+      finish(xc, ic, dv_uniform(wc));
+    }
+    const unsigned rest = cnt - base;
+    if (lane < rest) {
+      qx[lane] = qx[base + lane];
+      qid[lane] = qid[base + lane];
+    }
+    if (W + lane < rest) {
+      qx[W + lane] = qx[base + W + lane];
+      qid[W + lane] = qid[base + W + lane];
+    }
+    cnt = rest;
+    __syncwarp();
+    if (improved) {
+      atomicMax(&sh.best_key, dv_ord(best_score));
+      improved = false;
+    }
+    const unsigned bk = dv_shared_read(&sh.best_key);
+    if (bk > bar_key) {
+      bar_key = bk;
+      bar = dv_unord(bk);
+      xb = dv_raw_bound_fast(bar, T);
+    }
+  };
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns, queued (no bound yet)
+    const unsigned c = c0 + t;
+    const bool ok = c < head;
+    const float x = ok ? argmax_load1<Tag>(row + c) : 0.0f;
+    if (ok) {
+      nan |= x != x;
+      if (x > m) {
+        m = x;
+        mc = c;
+      }
+    }
+    push(x, c, ok);
+  }
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  ArgmaxVec16 cur[U];
+#pragma unroll
+  for (unsigned u = 0; u < U; ++u) {
+    cur[u].w[0] = cur[u].w[1] = cur[u].w[2] = cur[u].w[3] = 0u;
+    if (t + u * B < nvec) cur[u] = argmax_load16(vp + (t + u * B));
+  }
+  // the seed: the block's first maximum over every thread's first vector, scored
+  float sm = dv_neg_inf(), unused = 0.0f;
+  unsigned sid = DV_NO_ID;
+  if (t < nvec) {
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(cur[0], xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) {
+      if (xs[j] > sm) {  // (never a NaN)
+        sm = xs[j];
+        sid = col0 + head + t * E + j;
+      }
+    }
+  }
+  if (t == 0) sh.best_key = 0u;  // (the previous row's: no thread reads it before the barrier)
+  dv_block_best(sh.red, sm, sid, unused);
+  if (sid != DV_NO_ID) {
+    best_score = dv_fadd(dv_fdiv(sm, T), dv_noise(key, sid));
+    best_id = sid;
+    best_val = sm;
+    bar = best_score;
+    bar_key = dv_ord(bar);
+    xb = dv_raw_bound_fast(bar, T);
+  }
+  const float first_val = best_val;  // a column that never beats a lane's best (padding)
+  const unsigned first_id = best_id;
+  drain();
+  for (unsigned v0 = 0; v0 < nvec; v0 += U * B) {  // (v0 the same on every thread)
+    ArgmaxVec16 nxt[U];
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      nxt[u].w[0] = nxt[u].w[1] = nxt[u].w[2] = nxt[u].w[3] = 0u;
+      const unsigned vn = v0 + (U + u) * B + t;
+      if (vn < nvec) nxt[u] = argmax_load16(vp + vn);
+    }
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      const unsigned v = v0 + u * B + t;
+      const bool ok = v < nvec;
+      float xs[E];
+      ArgmaxUnpack<Tag>::run(cur[u], xs);
+      if (ok) {
+        float vm = xs[0];
+#pragma unroll
+        for (unsigned j = 1; j < E; ++j) vm = dv_fmax_nan(vm, xs[j]);
+        nacc = dv_fmax_nan(nacc, vm);
+        if (vm > m) {  // its first column equal to vm (-0 == +0) is the new first maximum
+          unsigned j = E - 1;
+          float xj = xs[E - 1];
+#pragma unroll
+          for (int i = (int)E - 2; i >= 0; --i) {  // (no indexing by j: xs stays in registers)
+            const bool eq = xs[i] == vm;
+            j = eq ? (unsigned)i : j;
+            xj = eq ? xs[i] : xj;
+          }
+          m = xj;
+          mc = head + v * E + j;
+        }
+      }
+#pragma unroll
+      for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, ok);
+      drain();
+    }
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) cur[u] = nxt[u];
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
+    const unsigned c = c0 + t;
+    const bool ok = c < ncols;
+    const float x = ok ? argmax_load1<Tag>(row + c) : 0.0f;
+    if (ok) {
+      nan |= x != x;
+      if (x > m) {
+        m = x;
+        mc = c;
+      }
+    }
+    push(x, c, ok);
+  }
+  drain();
+  if (cnt > 0) {  // the leftovers, padded with the seed's column, as dv_row_temp does
+    if (lane >= cnt) {
+      qx[lane] = first_val;
+      qid[lane] = first_id;
+    }
+    if (W + lane >= cnt) {
+      qx[W + lane] = first_val;
+      qid[W + lane] = first_id;
+    }
+    cnt = 2 * W;
+    drain();
+  }
+  return nan || nacc != nacc;
+}
+#endif
+
 // DV_PREFETCH_LINES 128-byte lines a thread of the first ones of the CTA's next row
 // (next, next_cols columns; null: none) asked of L2, once this row's first pass has read
 // its columns: the next row's first reads then come from L2 while this row's serial steps
@@ -1428,10 +1692,23 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // the top-k kernel's first pass with DV_LIST_UNROLL loads in flight, the other's with
   // DV_MAX_UNROLL
   constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
+#if DV_TEMP_ONEPASS
+  // a TEMP row's sampled column from the same read (dv_row_max_temp): this thread's
+  float t_score = dv_neg_inf(), t_val = dv_neg_inf();
+  unsigned t_id = DV_NO_ID;
+  const bool saw_nan =
+      mode == DV_TEMP
+          ? dv_row_max_temp<Tag>(row, ncols, col0, p, d, m, mc, t_score, t_id, t_val, rs, q)
+          : dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc,
+                                            reinterpret_cast<ArgmaxVec16*>(q.x),
+                                            kList ? ls->vkey : nullptr,
+                                            list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+#else
   const bool saw_nan =
       dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, reinterpret_cast<ArgmaxVec16*>(q.x),
                                       kList ? ls->vkey : nullptr,
                                       list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+#endif
   if (mc != DV_NO_ID) max_id = col0 + mc;
   const bool has_nan = dv_block_min(rs.red, saw_nan ? 0u : 1u) == 0u;
   dv_phase(DV_PH_REC + 1);  // pass 1
@@ -1479,8 +1756,20 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
+#if DV_TEMP_ONEPASS
+    if (argmax_isfinite(m)) {  // (the same on every thread) the one read's best
+      best_score = t_score;
+      best_id = t_id;
+      best_val = t_val;
+      dv_block_best(rs.red, best_score, best_id, best_val);
+    } else {  // a maximum of +inf or every column -inf: the row is read again
+      dv_row_temp<Tag>(row, ncols, col0, p, d, m, my_m, my_id, best_score, best_id, best_val,
+                       rs, q);
+    }
+#else
     dv_row_temp<Tag>(row, ncols, col0, p, d, m, my_m, my_id, best_score, best_id, best_val, rs,
                      q);
+#endif
   } else if constexpr (kList) {
     if (list_len > 0) {  // the first list_len columns in key order: a radix select
       const unsigned n = ls->k.n_cand;

@@ -2,7 +2,7 @@
 toolkit header (argmax.cu, verify.cu): g++ builds them with one ``std::thread`` per CUDA
 thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads`` (and after each
 block, so that ``__shared__`` arrays, plain statics here, are free before the next block
-starts), GCC atomics for ``atomicAdd`` / ``atomicCAS`` (:data:`ATOMICS`), the warp
+starts), GCC atomics for ``atomicAdd`` / ``atomicMax`` / ``atomicCAS`` (:data:`ATOMICS`), the warp
 intrinsics the kernels use (``__syncwarp``, ``__ballot_sync``, ``__shfl_sync``,
 ``__shfl_xor_sync``: a barrier per warp of 32 threads, or of the block's last, partial
 warp, and an exchange slot per thread; the mask argument must name the whole warp, as the
@@ -78,6 +78,13 @@ inline unsigned __ballot_sync(unsigned, bool p) {
 ATOMICS = r"""
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+  unsigned cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (cur < v &&
+         !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+  }
+  return cur;
 }
 inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);

@@ -3,8 +3,8 @@
 The kernels include no toolkit header, so g++ builds them with a small emulation of the
 CUDA launch (as tests/test_argmax_kernels_cpu.py does for argmax): one ``std::thread`` per
 CUDA thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads``, GCC
-atomics for ``atomicAdd``/``atomicCAS``, and ``-ffp-contract=off`` (the device code uses
-the ``__*_rn`` intrinsics, which never contract). Every rank's shard goes through
+atomics for ``atomicAdd``/``atomicMax``/``atomicCAS``, and ``-ffp-contract=off`` (the
+device code uses the ``__*_rn`` intrinsics, which never contract). Every rank's shard goes through
 ``dp_verify_records``; each owner's rows of the records are stacked as the all-to-all
 would deliver them and go through ``dp_verify_combine``; ``predict``, ``accept_index``
 and ``accept_length`` must equal ``ipc_dpsample.layout.reference_verify_batch_vocab``
@@ -81,6 +81,9 @@ extern "C" void emu_stream_key(i64 seed, i64 offset, unsigned d, u64* out) {
   p.offset = offset;
   *out = dv_stream_key(p, d);
 }
+extern "C" void emu_raw_bound_fast(const float* s, const float* T, i64 count, float* out) {
+  for (i64 i = 0; i < count; ++i) out[i] = dv_raw_bound_fast(s[i], T[i]);
+}
 extern "C" void emu_mass(const float* z, i64 count, double* grp, i64* a) {
   for (i64 i = 0; i < count; ++i) dv_mass_term(z[i], grp + i, a + i);
 }
@@ -123,7 +126,10 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
 #: ... and the temperature pass's second read last vectors first (``DV_TEMP_REVERSE=1``; the
-#: default build reads them first to last)
+#: default build reads them first to last); "row-passes" reads a temperature row once
+#: instead (``DV_TEMP_ONEPASS=1``: its maximum and its sampled column from one read, the
+#: second read only for rows with a NaN or a non-finite maximum)
+ONEPASS = {"row-passes"}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change or whose
 #: top-k and first-pass variants other tests already run on every build (column blocks:
@@ -156,6 +162,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
             "-DDV_TEMP_REVERSE=1",
+            f"-DDV_TEMP_ONEPASS={int(name in ONEPASS)}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
@@ -166,6 +173,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     lib.emu_noise.argtypes = [u, u, i, u]
     lib.emu_stream_key.argtypes = [i, i, c, u]
     lib.emu_mass.argtypes = [u, i, u, u]
+    lib.emu_raw_bound_fast.argtypes = [u, u, i, u]
     lib.emu_threshold.argtypes = [u, u, i, u]
     lib.emu_vector_keys.argtypes = [u, i, u, u]
     return lib
@@ -475,6 +483,37 @@ def test_vector_keys_never_fall_below_the_order_key(lib: Any) -> None:
     assert loose.any()  # the case is in the data
 
 
+@DEFAULT_CAP_ONLY
+def test_fast_raw_bound_is_at_or_below_the_exact_one(lib: Any) -> None:
+    # dv_raw_bound_fast (the one-read temperature pass's bound, DV_TEMP_ONEPASS): no raw
+    # logit below it reaches the score s, i.e. float32(float32(x / T) + G) < s for the
+    # float just below it, and it sits within 2**-16 of the exact bound (relative to the
+    # bound, plus (|s| + G) * T: a score's own rounding, in raw units, plus 1e-30): scores of
+    # every size and sign, subnormal ones, temperatures far apart
+    g = np.random.default_rng(9)
+    big = g.standard_normal(20000) * np.exp(g.uniform(-20, 20, 20000))
+    s = np.concatenate([big, g.uniform(-40, 40, 20000), [0, -0.0, 1e-45, -1e-45, 16.6375, 3e38]])
+    s = s.astype(np.float32)
+    t = np.exp(g.uniform(np.log(1e-6), np.log(1e3), len(s))).astype(np.float32)
+    t[:6] = [1e-38, 1e-45, 1.0, 0.5, 7.0, 1e30]
+    fast = np.zeros(len(s), np.float32)
+    lib.emu_raw_bound_fast(_addr(s), _addr(t), len(s), _addr(fast))
+    gb = np.float32(16.6375)  # DV_G_BOUND
+
+    def reaches(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return (x / t).astype(np.float32) + gb >= s
+
+    below = np.nextafter(fast, np.float32(-np.inf))
+    assert not reaches(below)[np.isfinite(below)].any()
+    slack = (np.abs(fast) + (np.abs(s) + gb) * t) * np.float32(2**-16) + np.float32(1e-30)
+    with np.errstate(over="ignore"):
+        above = (fast + slack).astype(np.float32)
+    ok = np.isfinite(above) & np.isfinite(s)
+    assert reaches(above)[ok].all(), "the fast bound is far below the exact one"
+    assert (fast[~np.isfinite(s)] == -np.inf).all()
+
+
 def test_mass_terms_and_threshold_match_layout(lib: Any) -> None:
     from ipc_dpsample.layout import mass_terms, top_p_threshold
 
@@ -746,6 +785,44 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     assert np.array_equal(got[0], want[0])
     last = np.isin(want[0][:, 0], [(s + 1) * vs - 1 for s in range(tp)])
     assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int) -> None:
+    # a temperature row read once ("row-passes") bounds the columns it scores by the best
+    # score found so far, which rises as it goes: rows rising to the end (each vector a
+    # new maximum, so every bound is soon passed), falling rows, rows whose first vectors
+    # are all -inf (no seed), rows with a lone winner at the end, rows whose scores x / T
+    # overflow to +inf at a tiny temperature (every column then passes), rows of one
+    # value, and after each a row of far lower values, whose CTA must not keep the
+    # previous row's bound; the default build reads each row twice
+    tp, vs, n = 2, 1501, 1
+    g = np.random.default_rng(31)
+    ramp = np.linspace(-30.0, 30.0, vs * tp, dtype=np.float32)
+    rows = [
+        ramp,
+        ramp[::-1].copy(),
+        np.where(np.arange(vs * tp) % vs < 700, -np.inf, g.standard_normal(vs * tp) * 3),
+        np.concatenate([g.standard_normal(vs * tp - 1) - 12, [3.0]]),
+        g.standard_normal(vs * tp) * 5 + 1e3,
+        np.full(vs * tp, 2.5),
+    ]
+    full = []
+    for r in rows:
+        full += [r, g.standard_normal(vs * tp) * 2 - 200]
+    full = np.asarray(full, np.float32)
+    pad_bs = len(full)
+    temp = np.where(np.arange(pad_bs) // 2 == 4, 1e-37, 0.8).astype(np.float32)
+    shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
+    prm = _stream_params(g, temp)
+    cand = np.zeros((pad_bs, n), np.int32)
+    got, errors, values = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
+    want = reference_verify_batch_vocab(
+        shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", return_logprobs=True, **prm
+    )
+    assert errors == [0] * tp and values == [0] * tp
+    _check(got, want, pad_bs, f"rising bound block={block}")
+    assert want[0][6, 0] == vs * tp - 1  # the lone winner at the end
 
 
 @DEFAULT_CAP_ONLY

@@ -4,7 +4,7 @@
 header, so g++ builds them with a few definitions: one ``std::thread`` per CUDA thread,
 ``std::barrier`` for ``__syncthreads``, the warp intrinsics of
 ``tests/_cuda_emulation.WARPS``, its GCC ``__atomic`` builtins for ``atomicAdd`` /
-``atomicCAS`` (``ATOMICS``), blocks in turn, one kernel at a time, and
+``atomicMax`` / ``atomicCAS`` (``ATOMICS``), blocks in turn, one kernel at a time, and
 ``-ffp-contract=off`` (the verify kernels' float decisions are IEEE basic operations
 without contraction).
 :func:`launch_params` is the emulated ``cuLaunchKernel``: it takes the kernel's name
