@@ -236,11 +236,12 @@ REGISTRY: dict[str, EnvVar] = {
         ),
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
-            _flag,
-            False,
-            "tuning (compile time): the record kernels read a temperature row once, its "
-            "maximum and its sampled column from the same read (the bound on the columns "
-            "worth scoring rises as the block scores them), instead of twice",
+            _one_of_ints(0, 1, 2),
+            1,
+            "tuning (compile time): which temperature rows the record kernels read once, "
+            "their maximum and their sampled column from the same read (the bound on the "
+            "columns worth scoring rises as the block scores them), instead of twice: "
+            "1 float32 rows, 2 every dtype, 0 none",
         ),
         EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
@@ -320,7 +321,7 @@ class OnesidedTuning:
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
     verify_temp_reverse: bool = False
-    verify_temp_onepass: bool = False
+    verify_temp_onepass: int = 1
 
     @property
     def compile_options(self) -> tuple[str, ...]:
@@ -336,7 +337,7 @@ class OnesidedTuning:
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
             f"-DDV_TEMP_REVERSE={int(self.verify_temp_reverse)}",
-            f"-DDV_TEMP_ONEPASS={int(self.verify_temp_onepass)}",
+            f"-DDV_TEMP_ONEPASS={self.verify_temp_onepass}",
         )
 
 

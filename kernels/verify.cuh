@@ -526,13 +526,17 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 #define DV_CAND_CAP 1024
 #endif
 
-// DV_TEMP_ONEPASS 1: a temperature row is read once (dv_row_max_temp): its maximum and its
-// sampled column come from the same pass, the bound on the columns worth scoring rising as
-// the block scores them. 0 (default): the maximum first, then a second read (dv_row_temp),
-// which an H100 found mostly coming from DRAM again (BENCHMARKS.md). Not yet measured on a
-// GPU.
+// DV_TEMP_ONEPASS: which temperature rows are read once (dv_row_max_temp), their maximum
+// and their sampled column from the same read, the bound on the columns worth scoring
+// rising as the block scores them; the others read the row for its maximum, then again
+// (dv_row_temp). 1 (default): float32 rows, whose second read an H100 found mostly coming
+// from DRAM again; 2: every dtype; 0: none. With one read, more columns need their noise
+// (about 24 % instead of 16 % on the bench's rows: the bound is looser while little of
+// the row has been scored). On an H100 (gated tp=8, pad_bs=256, BENCHMARKS.md) float32
+// rows took 11 % less time with one read, bfloat16 rows (whose second read L2 serves)
+// 14 % more.
 #ifndef DV_TEMP_ONEPASS
-#define DV_TEMP_ONEPASS 0
+#define DV_TEMP_ONEPASS 1
 #endif
 #ifndef DV_ONEPASS_UNROLL
 #define DV_ONEPASS_UNROLL 2  // 16-byte loads a thread issues a round ahead in that pass
@@ -542,7 +546,7 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 struct DvRowShared {
   DvShared red;
   float bound;
-#if DV_TEMP_ONEPASS
+#if DV_TEMP_ONEPASS > 0
   unsigned best_key;  // dv_row_max_temp: the best score reached so far (dv_ord; 0: none)
 #endif
 };
@@ -1409,7 +1413,7 @@ __device__ __forceinline__ float dv_raw_bound_fast(float s, float T) {
   return dv_float_down(xd - fabs(xd) * 0x1p-40);
 }
 
-#if DV_TEMP_ONEPASS
+#if DV_TEMP_ONEPASS > 0
 // A shared word another warp may raise (a load the loop does not keep in a register).
 __device__ __forceinline__ unsigned dv_shared_read(const unsigned* p) {
 #ifdef DP_ARGMAX_CPU_EMULATION
@@ -1692,17 +1696,26 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // the top-k kernel's first pass with DV_LIST_UNROLL loads in flight, the other's with
   // DV_MAX_UNROLL
   constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
-#if DV_TEMP_ONEPASS
-  // a TEMP row's sampled column from the same read (dv_row_max_temp): this thread's
+#if DV_TEMP_ONEPASS > 0
+  // a TEMP row of this dtype: its sampled column from the same read (dv_row_max_temp),
+  // this thread's best
+  constexpr bool kOnePass =
+      DV_TEMP_ONEPASS == 2 || (DV_TEMP_ONEPASS == 1 && sizeof(typename Tag::Storage) == 4);
   float t_score = dv_neg_inf(), t_val = dv_neg_inf();
   unsigned t_id = DV_NO_ID;
-  const bool saw_nan =
-      mode == DV_TEMP
-          ? dv_row_max_temp<Tag>(row, ncols, col0, p, d, m, mc, t_score, t_id, t_val, rs, q)
-          : dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc,
-                                            reinterpret_cast<ArgmaxVec16*>(q.x),
-                                            kList ? ls->vkey : nullptr,
-                                            list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+  bool saw_nan;
+  if constexpr (kOnePass) {
+    if (mode == DV_TEMP)
+      saw_nan = dv_row_max_temp<Tag>(row, ncols, col0, p, d, m, mc, t_score, t_id, t_val, rs, q);
+    else
+      saw_nan = dv_row_max<Tag, kList, kUnroll>(
+          row, ncols, m, mc, reinterpret_cast<ArgmaxVec16*>(q.x), kList ? ls->vkey : nullptr,
+          list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+  } else {
+    saw_nan = dv_row_max<Tag, kList, kUnroll>(
+        row, ncols, m, mc, reinterpret_cast<ArgmaxVec16*>(q.x), kList ? ls->vkey : nullptr,
+        list_len > 0 ? (unsigned)DV_VKEY_CAP : 0u);
+  }
 #else
   const bool saw_nan =
       dv_row_max<Tag, kList, kUnroll>(row, ncols, m, mc, reinterpret_cast<ArgmaxVec16*>(q.x),
@@ -1756,8 +1769,8 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   float best_score = dv_neg_inf(), best_val = dv_neg_inf();
   unsigned best_id = DV_NO_ID;
   if (mode == DV_TEMP && !has_nan && max_id != DV_NO_ID) {
-#if DV_TEMP_ONEPASS
-    if (argmax_isfinite(m)) {  // (the same on every thread) the one read's best
+#if DV_TEMP_ONEPASS > 0
+    if (kOnePass && argmax_isfinite(m)) {  // (the same on every thread) the one read's best
       best_score = t_score;
       best_id = t_id;
       best_val = t_val;

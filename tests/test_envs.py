@@ -65,7 +65,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE", "1")
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "1")
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
     assert (tun.unroll, tun.streaming, tun.graph_swap) == (8, True, "copy")
@@ -81,12 +81,16 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_LIST_UNROLL=2",
         "-DDV_PREFETCH_LINES=1",
         "-DDV_TEMP_REVERSE=1",
-        "-DDV_TEMP_ONEPASS=1",
+        "-DDV_TEMP_ONEPASS=2",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE")
     assert "-DDV_TEMP_REVERSE=0" in envs.onesided_tuning().compile_options  # off
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
-    assert "-DDV_TEMP_ONEPASS=0" in envs.onesided_tuning().compile_options  # off
+    assert "-DDV_TEMP_ONEPASS=1" in envs.onesided_tuning().compile_options  # default
+    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "3")
+    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS='3'"):
+        envs.onesided_tuning()
+    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
     assert "-DDV_PREFETCH_LINES=2" in envs.onesided_tuning().compile_options  # default
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "3")

@@ -38,7 +38,7 @@ KNOBS = {
             "sys",
             verify_prefetch_lines=0,
             verify_temp_reverse=True,
-            verify_temp_onepass=True,
+            verify_temp_onepass=2,
         ).compile_options
     ),
 }

@@ -126,10 +126,11 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
 #: ... and the temperature pass's second read last vectors first (``DV_TEMP_REVERSE=1``; the
-#: default build reads them first to last); "row-passes" reads a temperature row once
-#: instead (``DV_TEMP_ONEPASS=1``: its maximum and its sampled column from one read, the
-#: second read only for rows with a NaN or a non-finite maximum)
-ONEPASS = {"row-passes"}
+#: default build reads them first to last). Which temperature rows are read once, their
+#: maximum and sampled column from one read (``DV_TEMP_ONEPASS``; a second read only for
+#: rows with a NaN or a non-finite maximum): float32 rows on the default build (its
+#: default, 1), every row on "row-passes" (2), none on "small" (0)
+ONEPASS = {"row-passes": 2, "small": 0}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change or whose
 #: top-k and first-pass variants other tests already run on every build (column blocks:
@@ -162,7 +163,7 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
             "-DDV_TEMP_REVERSE=1",
-            f"-DDV_TEMP_ONEPASS={int(name in ONEPASS)}",
+            f"-DDV_TEMP_ONEPASS={ONEPASS[name]}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
     lib = build(work, _EMULATION, "verify_emulation", flags)
@@ -788,14 +789,16 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
 
 
 @pytest.mark.parametrize("block", [32, 256])
-def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int) -> None:
-    # a temperature row read once ("row-passes") bounds the columns it scores by the best
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int, dtype: str) -> None:
+    # a temperature row read once (float32 on the default build, every row on "row-passes";
+    # none on "small", which reads each row twice) bounds the columns it scores by the best
     # score found so far, which rises as it goes: rows rising to the end (each vector a
     # new maximum, so every bound is soon passed), falling rows, rows whose first vectors
     # are all -inf (no seed), rows with a lone winner at the end, rows whose scores x / T
     # overflow to +inf at a tiny temperature (every column then passes), rows of one
     # value, and after each a row of far lower values, whose CTA must not keep the
-    # previous row's bound; the default build reads each row twice
+    # previous row's bound
     tp, vs, n = 2, 1501, 1
     g = np.random.default_rng(31)
     ramp = np.linspace(-30.0, 30.0, vs * tp, dtype=np.float32)
@@ -810,18 +813,18 @@ def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int) -> None
     full = []
     for r in rows:
         full += [r, g.standard_normal(vs * tp) * 2 - 200]
-    full = np.asarray(full, np.float32)
+    full = _encode(np.asarray(full, np.float32), dtype)
     pad_bs = len(full)
     temp = np.where(np.arange(pad_bs) // 2 == 4, 1e-37, 0.8).astype(np.float32)
     shards = [np.ascontiguousarray(full[:, s * vs : (s + 1) * vs]) for s in range(tp)]
     prm = _stream_params(g, temp)
     cand = np.zeros((pad_bs, n), np.int32)
-    got, errors, values = run_kernels(lib, shards, cand, prm, dtype="float32", block=block)
+    got, errors, values = run_kernels(lib, shards, cand, prm, dtype=dtype, block=block)
     want = reference_verify_batch_vocab(
-        shards, cand, tp=tp, pad_bs=pad_bs, dtype="float32", return_logprobs=True, **prm
+        shards, cand, tp=tp, pad_bs=pad_bs, dtype=dtype, return_logprobs=True, **prm
     )
     assert errors == [0] * tp and values == [0] * tp
-    _check(got, want, pad_bs, f"rising bound block={block}")
+    _check(got, want, pad_bs, f"rising bound {dtype} block={block}")
     assert want[0][6, 0] == vs * tp - 1  # the lone winner at the end
 
 
