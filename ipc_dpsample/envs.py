@@ -227,14 +227,6 @@ REGISTRY: dict[str, EnvVar] = {
             "batches without top-k rows (0: off)",
         ),
         EnvVar(
-            "IPC_DPSAMPLE_VERIFY_TEMP_REVERSE",
-            _flag,
-            False,
-            "tuning (compile time): the record kernels' temperature pass reads its row again "
-            "last vectors first (the first pass read them last, so L2 more likely still "
-            "holds them)",
-        ),
-        EnvVar(
             "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
             _one_of_ints(0, 1, 2),
             1,
@@ -320,7 +312,6 @@ class OnesidedTuning:
     verify_unroll: int = 2
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
-    verify_temp_reverse: bool = False
     verify_temp_onepass: int = 1
 
     @property
@@ -336,7 +327,6 @@ class OnesidedTuning:
             f"-DDV_MAX_UNROLL={self.verify_unroll}",
             f"-DDV_LIST_UNROLL={self.verify_list_unroll}",
             f"-DDV_PREFETCH_LINES={self.verify_prefetch_lines}",
-            f"-DDV_TEMP_REVERSE={int(self.verify_temp_reverse)}",
             f"-DDV_TEMP_ONEPASS={self.verify_temp_onepass}",
         )
 
@@ -361,6 +351,5 @@ def onesided_tuning() -> OnesidedTuning:
         verify_unroll=get("IPC_DPSAMPLE_VERIFY_UNROLL"),
         verify_list_unroll=get("IPC_DPSAMPLE_VERIFY_LIST_UNROLL"),
         verify_prefetch_lines=get("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES"),
-        verify_temp_reverse=get("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE"),
         verify_temp_onepass=get("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS"),
     )

@@ -1229,14 +1229,6 @@ __device__ float dv_raw_bound(float s, float T, float m) {
   return dv_unord(hi);
 }
 
-// DV_TEMP_REVERSE 1: dv_row_temp reads its vectors again last round first (see there).
-// On an H100 the first pass's reads were found mostly gone from L2 by the time the second
-// pass reads them (ncu, tp=1, pad_bs=256 fp32: L2 hit rate 16 %, 1.76x the row bytes from
-// DRAM; BENCHMARKS.md). Not yet measured on a GPU; 0 (default): first round first.
-#ifndef DV_TEMP_REVERSE
-#define DV_TEMP_REVERSE 0
-#endif
-
 // The best (score desc, id asc) column of a TEMP row of one shard: m (its column
 // max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
 // column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
@@ -1340,25 +1332,12 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
   ArgmaxVec16 cur;
   cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-#if DV_TEMP_REVERSE
-  // the rounds of B vectors last to first: the row's end, read last by the first pass, is
-  // read again first, while L2 most likely still holds it
-  const unsigned nround = (nvec + B - 1u) / B;
-  const unsigned vlast = nround > 0u ? (nround - 1u) * B + t : nvec;  // the last round's
-  if (vlast < nvec) cur = argmax_load16(vp + vlast);
-  for (unsigned r = nround; r-- > 0u;) {
-    const unsigned v = r * B + t;
-    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
-    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (r > 0u) nxt = argmax_load16(vp + (v - B));  // (every earlier round is full)
-#else
   if (t < nvec) cur = argmax_load16(vp + t);
   for (unsigned v0 = 0; v0 < nvec; v0 += B) {
     const unsigned v = v0 + t;
     ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
     nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
     if (v + B < nvec) nxt = argmax_load16(vp + (v + B));
-#endif
     float xs[E];
     ArgmaxUnpack<Tag>::run(cur, xs);
 #pragma unroll

@@ -64,7 +64,6 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_UNROLL", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "1")
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE", "1")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "2")
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_BLOCK", "256")
     tun = envs.onesided_tuning()
@@ -80,11 +79,8 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_MAX_UNROLL=1",
         "-DDV_LIST_UNROLL=2",
         "-DDV_PREFETCH_LINES=1",
-        "-DDV_TEMP_REVERSE=1",
         "-DDV_TEMP_ONEPASS=2",
     )
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_REVERSE")
-    assert "-DDV_TEMP_REVERSE=0" in envs.onesided_tuning().compile_options  # off
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
     assert "-DDV_TEMP_ONEPASS=1" in envs.onesided_tuning().compile_options  # default
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "3")

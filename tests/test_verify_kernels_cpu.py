@@ -125,11 +125,10 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: ... and a warp's list of the vectors to read again so short that wide shards overflow
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
-#: ... and the temperature pass's second read last vectors first (``DV_TEMP_REVERSE=1``; the
-#: default build reads them first to last). Which temperature rows are read once, their
-#: maximum and sampled column from one read (``DV_TEMP_ONEPASS``; a second read only for
-#: rows with a NaN or a non-finite maximum): float32 rows on the default build (its
-#: default, 1), every row on "row-passes" (2), none on "small" (0)
+#: ... and which temperature rows are read once, their maximum and sampled column from
+#: one read (``DV_TEMP_ONEPASS``; a second read only for rows with a NaN or a non-finite
+#: maximum): float32 rows on the default build (its default, 1), every row on
+#: "row-passes" (2), none on "small" (0)
 ONEPASS = {"row-passes": 2, "small": 0}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change or whose
@@ -162,7 +161,6 @@ def _build_lib(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             f"-DDV_LIST_UNROLL={unroll}",
             f"-DDV_VKEY_CAP={VKEY_CAPS[name]}",
             f"-DDV_VLIST={VLISTS[name]}",
-            "-DDV_TEMP_REVERSE=1",
             f"-DDV_TEMP_ONEPASS={ONEPASS[name]}",
         )
     work = tmp_path_factory.mktemp("verify_emulation")
