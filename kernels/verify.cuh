@@ -531,10 +531,10 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 // rising as the block scores them; the others read the row for its maximum, then again
 // (dv_row_temp). 1 (default): float32 rows, whose second read an H100 found mostly coming
 // from DRAM again; 2: every dtype; 0: none. With one read, more columns need their noise
-// (about 24 % instead of 16 % on the bench's rows: the bound is looser while little of
-// the row has been scored). On an H100 (gated tp=8, pad_bs=256, BENCHMARKS.md) float32
-// rows took 11 % less time with one read, bfloat16 rows (whose second read L2 serves)
-// 14 % more.
+// (the bound is looser while little of the row has been scored: about 24 % of the
+// bench's columns instead of 15 %, by a NumPy model, benchmarks/h100-2026-12-07g). On an
+// H100 (gated tp=8, pad_bs=256, BENCHMARKS.md) float32 rows took 11 % less time with one
+// read, bfloat16 rows (whose second read L2 serves) 14 % more.
 #ifndef DV_TEMP_ONEPASS
 #define DV_TEMP_ONEPASS 1
 #endif
