@@ -230,10 +230,10 @@ REGISTRY: dict[str, EnvVar] = {
             "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
             _one_of_ints(0, 1, 2),
             1,
-            "tuning (compile time): which temperature rows the record kernels read once, "
-            "their maximum and their sampled column from the same read (the bound on the "
-            "columns worth scoring rises as the block scores them), instead of twice: "
-            "1 float32 rows, 2 every dtype, 0 none",
+            "tuning (compile time): which temperature rows the record kernel of batches "
+            "without top-k rows reads once, their maximum and their sampled column from the "
+            "same read (the bound on the columns worth scoring rises as the block scores "
+            "them), instead of twice: 1 float32 rows, 2 every dtype, 0 none",
         ),
         EnvVar(
             "IPC_DPSAMPLE_LINEINFO",

@@ -526,11 +526,13 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 #define DV_CAND_CAP 1024
 #endif
 
-// DV_TEMP_ONEPASS: which temperature rows are read once (dv_row_max_temp), their maximum
-// and their sampled column from the same read, the bound on the columns worth scoring
-// rising as the block scores them; the others read the row for its maximum, then again
-// (dv_row_temp). 1 (default): float32 rows, whose second read an H100 found mostly coming
-// from DRAM again; 2: every dtype; 0: none. With one read, more columns need their noise
+// DV_TEMP_ONEPASS: which temperature rows the record kernel without top-k lists (batches
+// without top-k rows) reads once (dv_row_max_temp), their maximum and their sampled column
+// from the same read, the bound on the columns worth scoring rising as the block scores
+// them; the others read the row for its maximum, then again (dv_row_temp). 1 (default):
+// float32 rows, whose second read an H100 found mostly coming from DRAM again; 2: every
+// dtype; 0: none. The top-k kernel never does (its code, and so its top-k rows' speed, is
+// that of 0: the one-read code made it spill more). With one read, more columns need their noise
 // (the bound is looser while little of the row has been scored: about 24 % of the
 // bench's columns instead of 15 %, by a NumPy model, benchmarks/h100-2026-12-07g). On an
 // H100 (gated tp=8, pad_bs=256, BENCHMARKS.md) float32 rows took 11 % less time with one
@@ -1676,10 +1678,11 @@ __device__ void dv_row_record(const typename Tag::Storage* row, unsigned ncols, 
   // DV_MAX_UNROLL
   constexpr unsigned kUnroll = kList ? DV_LIST_UNROLL : DV_MAX_UNROLL;
 #if DV_TEMP_ONEPASS > 0
-  // a TEMP row of this dtype: its sampled column from the same read (dv_row_max_temp),
-  // this thread's best
+  // a TEMP row of this dtype in the kernel without lists: its sampled column from the
+  // same read (dv_row_max_temp), this thread's best
   constexpr bool kOnePass =
-      DV_TEMP_ONEPASS == 2 || (DV_TEMP_ONEPASS == 1 && sizeof(typename Tag::Storage) == 4);
+      !kList &&
+      (DV_TEMP_ONEPASS == 2 || (DV_TEMP_ONEPASS == 1 && sizeof(typename Tag::Storage) == 4));
   float t_score = dv_neg_inf(), t_val = dv_neg_inf();
   unsigned t_id = DV_NO_ID;
   bool saw_nan;

@@ -125,10 +125,10 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 #: ... and a warp's list of the vectors to read again so short that wide shards overflow
 #: it (then the row is read again in full)
 VLISTS = {"small": 2, "row-passes": 1}
-#: ... and which temperature rows are read once, their maximum and sampled column from
-#: one read (``DV_TEMP_ONEPASS``; a second read only for rows with a NaN or a non-finite
-#: maximum): float32 rows on the default build (its default, 1), every row on
-#: "row-passes" (2), none on "small" (0)
+#: ... and which temperature rows of batches without top-k rows are read once, their
+#: maximum and sampled column from one read (``DV_TEMP_ONEPASS``; a second read only for
+#: rows with a NaN or a non-finite maximum): float32 rows on the default build (its
+#: default, 1), every row on "row-passes" (2), none on "small" (0)
 ONEPASS = {"row-passes": 2, "small": 0}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change or whose
