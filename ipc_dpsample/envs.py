@@ -229,7 +229,7 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
             _one_of_ints(0, 1, 2),
-            1,
+            0,
             "tuning (compile time): which temperature rows the record kernel of batches "
             "without top-k rows reads once, their maximum and their sampled column from the "
             "same read (the bound on the columns worth scoring rises as the block scores "
@@ -312,7 +312,7 @@ class OnesidedTuning:
     verify_unroll: int = 2
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
-    verify_temp_onepass: int = 1
+    verify_temp_onepass: int = 0
 
     @property
     def compile_options(self) -> tuple[str, ...]:
