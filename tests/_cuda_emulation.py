@@ -2,8 +2,8 @@
 toolkit header (argmax.cu, verify.cu): g++ builds them with one ``std::thread`` per CUDA
 thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads`` (and after each
 block, so that ``__shared__`` arrays, plain statics here, are free before the next block
-starts), GCC atomics for ``atomicAdd`` / ``atomicMax`` / ``atomicCAS`` (:data:`ATOMICS`), the warp
-intrinsics the kernels use (``__syncwarp``, ``__ballot_sync``, ``__shfl_sync``,
+starts), GCC atomics for ``atomicAdd`` / ``atomicMax`` / ``atomicCAS`` (:data:`ATOMICS`),
+the warp intrinsics the kernels use (``__syncwarp``, ``__ballot_sync``, ``__shfl_sync``,
 ``__shfl_xor_sync``: a barrier per warp of 32 threads, or of the block's last, partial
 warp, and an exchange slot per thread; the mask argument must name the whole warp, as the
 kernels' does), and ``-ffp-contract=off`` (the device code's ``__*_rn`` intrinsics never

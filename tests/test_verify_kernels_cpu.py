@@ -4,8 +4,8 @@ The kernels include no toolkit header, so g++ builds them with a small emulation
 CUDA launch (as tests/test_argmax_kernels_cpu.py does for argmax): one ``std::thread`` per
 CUDA thread walking the blocks in turn, ``std::barrier`` for ``__syncthreads``, GCC
 atomics for ``atomicAdd``/``atomicMax``/``atomicCAS``, and ``-ffp-contract=off`` (the
-device code uses the ``__*_rn`` intrinsics, which never contract). Every rank's shard goes through
-``dp_verify_records``; each owner's rows of the records are stacked as the all-to-all
+device code uses the ``__*_rn`` intrinsics, which never contract). Every rank's shard goes
+through ``dp_verify_records``; each owner's rows of the records are stacked as the all-to-all
 would deliver them and go through ``dp_verify_combine``; ``predict``, ``accept_index``
 and ``accept_length`` must equal ``ipc_dpsample.layout.reference_verify_batch_vocab``
 bit for bit and the logprobs must be within 1 float32 ulp. The same device functions run
@@ -786,12 +786,13 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
     assert 10 < last.sum() < pad_bs - 10, "the last columns should win about half the rows"
 
 
+@WITH_EVERY_CAP
 @pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int, dtype: str) -> None:
-    # a temperature row read once (every row on "row-passes"; none on the default build,
-    # which reads each row twice) bounds the columns it scores by the best
-    # score found so far, which rises as it goes: rows rising to the end (each vector a
+    # a temperature row read once (every row on "row-passes", float32 rows on "small"; the
+    # default build reads each row twice) bounds the columns it scores by the best score
+    # found so far, which rises as it goes: rows rising to the end (each vector a
     # new maximum, so every bound is soon passed), falling rows, rows whose first vectors
     # are all -inf (no seed), rows with a lone winner at the end, rows whose scores x / T
     # overflow to +inf at a tiny temperature (every column then passes), rows of one
