@@ -1244,133 +1244,6 @@ __device__ float dv_raw_bound(float s, float T, float m) {
 // double-precision noise of the columns that cannot beat the lane's best. The scoring
 // code sits at three places only (head, vectors, tail), not once per unrolled column:
 // the kernel's instructions stay within the instruction caches.
-template <typename Tag>
-__device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
-                            const DvParams& p, unsigned d, float m, float my_m, unsigned my_id,
-                            float& best_score, unsigned& best_id, float& best_val,
-                            DvRowShared& sh, DvQueue& q) {
-  typedef typename Tag::Storage S;
-  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
-  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
-  const dv_u64 key = dv_stream_key(p, d);
-  const float T = p.temperature, rT = 1.0f / T;
-  const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
-  best_score = dv_neg_inf();
-  best_id = DV_NO_ID;
-  best_val = dv_neg_inf();
-  if (my_id != DV_NO_ID) {
-    best_score = dv_fadd(dv_fdiv(my_m, T), dv_noise(key, my_id));
-    best_id = my_id;
-    best_val = my_m;
-  }
-  dv_block_best(sh.red, best_score, best_id, best_val);
-  if (t == 0) sh.bound = dv_raw_bound(best_score, T, m);  // m's score is at most this
-  __syncthreads();
-  const float xb = sh.bound;
-  const float first_val = best_val;  // a column that never beats the best (queue padding)
-  const unsigned first_id = best_id;
-  float* qx = q.x[t >> 5];
-  unsigned* qid = q.id[t >> 5];
-  unsigned cnt = 0;  // the warp's queue length (the same on every lane)
-  // queue column c (value x) if it passes the bound; every lane of the warp calls it
-  auto push = [&](float x, unsigned c, bool valid) {
-    const bool pass = valid && x >= xb;
-    const unsigned mask = __ballot_sync(DV_FULL, pass);
-    if (pass) {
-      const unsigned slot = cnt + __popc(mask & ((1u << lane) - 1u));
-      qx[slot] = x;
-      qid[slot] = col0 + c;
-    }
-    cnt += __popc(mask);
-  };
-  // the rest of one queued column's score, its uniform u known
-  auto finish = [&](float x, unsigned id, float u) {
-    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
-    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
-    // a wide margin, skips the exact division and noise of the columns that cannot win
-    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
-    if (!(dv_fadd(zh, DV_G_BOUND) >= best_score)) return;  // cannot win
-    if (u < __expf(-__expf(zh - best_score)) * 0.9999f) return;
-    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
-    if (dv_better(sc, id, best_score, best_id)) {
-      best_score = sc;
-      best_id = id;
-      best_val = x;
-    }
-  };
-  // score every two warps' worth of the queue, move the rest to its front
-  auto drain = [&]() {
-    if (cnt < 2 * W) return;  // uniform over the warp
-    __syncwarp();
-    unsigned base = 0;
-    for (; base + 2 * W <= cnt; base += 2 * W) {
-      const float xa = qx[base + lane], xc = qx[base + W + lane];
-      const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
-      const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
-      finish(xa, ia, dv_uniform(wa));
-      finish(xc, ic, dv_uniform(wc));
-    }
-    // lane l reads and writes only slots l, W + l, base + l, base + W + l: no hazard
-    const unsigned rest = cnt - base;
-    if (lane < rest) {
-      qx[lane] = qx[base + lane];
-      qid[lane] = qid[base + lane];
-    }
-    if (W + lane < rest) {
-      qx[W + lane] = qx[base + W + lane];
-      qid[W + lane] = qid[base + W + lane];
-    }
-    cnt = rest;
-    __syncwarp();
-  };
-  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
-  unsigned head = mis ? E - mis : 0u;
-  if (head > ncols) head = ncols;
-  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns: no drain needed
-    const unsigned c = c0 + t;
-    push(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
-  }
-  drain();
-  const unsigned nvec = (ncols - head) / E;
-  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
-  ArgmaxVec16 cur;
-  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
-  if (t < nvec) cur = argmax_load16(vp + t);
-  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
-    const unsigned v = v0 + t;
-    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
-    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
-    if (v + B < nvec) nxt = argmax_load16(vp + (v + B));
-    float xs[E];
-    ArgmaxUnpack<Tag>::run(cur, xs);
-#pragma unroll
-    for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, v < nvec);
-    drain();
-    cur = nxt;
-  }
-  const unsigned tail = head + nvec * E;
-  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
-    const unsigned c = c0 + t;
-    push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
-  }
-  drain();
-  // the leftovers (fewer than two warps' worth): pad the queue with the first best's
-  // column, which never beats the best, and score one more round
-  if (cnt > 0) {
-    if (lane >= cnt) {
-      qx[lane] = first_val;
-      qid[lane] = first_id;
-    }
-    if (W + lane >= cnt) {
-      qx[W + lane] = first_val;
-      qid[W + lane] = first_id;
-    }
-    cnt = 2 * W;
-    drain();
-  }
-  dv_block_best(sh.red, best_score, best_id, best_val);
-}
-
 // The largest float32 at or below d (not NaN).
 __device__ __forceinline__ float dv_float_down(double d) {
   float f = (float)d;
@@ -1395,7 +1268,6 @@ __device__ __forceinline__ float dv_raw_bound_fast(float s, float T) {
   return dv_float_down(xd - fabs(xd) * 0x1p-40);
 }
 
-#if DV_TEMP_ONEPASS > 0
 // A shared word another warp may raise (a load the loop does not keep in a register).
 __device__ __forceinline__ unsigned dv_shared_read(const unsigned* p) {
 #ifdef DP_ARGMAX_CPU_EMULATION
@@ -1404,6 +1276,187 @@ __device__ __forceinline__ unsigned dv_shared_read(const unsigned* p) {
   return *(const volatile unsigned*)p;
 #endif
 }
+
+// A warp's queue of the columns of a TEMP row that pass the bound (xb), scored two warps'
+// worth at a time (dv_row_temp, dv_row_max_temp): the lane's best so far (best_*). kRising
+// (dv_row_max_temp): the bound rises as the block scores columns; a lane whose best rises
+// raises the block's (sh->best_key) at its next drain, and the warp then reads that back
+// (bar, the best score the lane knows of) and raises xb; else bar is the lane's best.
+template <bool kRising>
+struct DvTempQueue {
+  float* qx;
+  unsigned* qid;
+  unsigned cnt;  // the queue's length (the same on every lane of the warp)
+  unsigned lane, W, col0, k0, k1;
+  float T, rT, xb;
+  float best_score, best_val;
+  unsigned best_id;
+  float bar;         // kRising: the best score this lane knows of (its own or the block's)
+  unsigned bar_key;  // kRising: dv_ord of bar (0: none)
+  bool improved;     // kRising: this lane's best rose since it last raised the block's
+  DvRowShared* sh;   // kRising: the block's best (best_key)
+
+  // queue column c (value x) if it passes the bound; every lane of the warp calls it
+  __device__ __forceinline__ void push(float x, unsigned c, bool valid) {
+    const bool pass = valid && x >= xb;
+    const unsigned mask = __ballot_sync(DV_FULL, pass);
+    if (pass) {
+      const unsigned slot = cnt + __popc(mask & ((1u << lane) - 1u));
+      qx[slot] = x;
+      qid[slot] = col0 + c;
+    }
+    cnt += __popc(mask);
+  }
+  // the rest of one queued column's score, its uniform u known
+  __device__ __forceinline__ void finish(float x, unsigned id, float u) {
+    // z + g(u) >= best needs u >= exp(-exp(z - best)) (g increases with u): a fast
+    // estimate, from an upper bound on z (x times 1/T is within 2 ulp of x / T) and with
+    // a wide margin, skips the exact division and noise of the columns that cannot win;
+    // any score some column reaches will do as best (a score below it cannot win)
+    const float b = kRising ? bar : best_score;
+    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
+    if (!(dv_fadd(zh, DV_G_BOUND) >= b)) return;  // cannot win
+    if (u < __expf(-__expf(zh - b)) * 0.9999f) return;
+    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
+    if (dv_better(sc, id, best_score, best_id)) {
+      best_score = sc;
+      best_id = id;
+      best_val = x;
+      if constexpr (kRising) improved = true;
+    }
+  }
+  // score every two warps' worth of the queue, move the rest to its front
+  __device__ __forceinline__ void drain() {
+    if (cnt < 2 * W) return;  // uniform over the warp
+    __syncwarp();
+    unsigned base = 0;
+    for (; base + 2 * W <= cnt; base += 2 * W) {
+      const float xa = qx[base + lane], xc = qx[base + W + lane];
+      const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
+      const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
+      finish(xa, ia, dv_uniform(wa));
+      finish(xc, ic, dv_uniform(wc));
+    }
+    // lane l reads and writes only slots l, W + l, base + l, base + W + l: no hazard
+    const unsigned rest = cnt - base;
+    if (lane < rest) {
+      qx[lane] = qx[base + lane];
+      qid[lane] = qid[base + lane];
+    }
+    if (W + lane < rest) {
+      qx[W + lane] = qx[base + W + lane];
+      qid[W + lane] = qid[base + W + lane];
+    }
+    cnt = rest;
+    __syncwarp();
+    if constexpr (kRising) raise();
+  }
+  // the leftovers (fewer than two warps' worth): pad the queue with a column that never
+  // beats a lane's best (x, id: the first best's), and score one more round
+  __device__ __forceinline__ void flush(float pad_x, unsigned pad_id) {
+    if (cnt > 0) {
+      if (lane >= cnt) {
+        qx[lane] = pad_x;
+        qid[lane] = pad_id;
+      }
+      if (W + lane >= cnt) {
+        qx[W + lane] = pad_x;
+        qid[W + lane] = pad_id;
+      }
+      cnt = 2 * W;
+      drain();
+    }
+  }
+  // kRising: share this lane's best if it rose, take the block's, raise the bound
+  __device__ __forceinline__ void raise() {
+#if DV_TEMP_ONEPASS > 0
+    if (improved) {
+      atomicMax(&sh->best_key, dv_ord(best_score));
+      improved = false;
+    }
+    const unsigned bk = dv_shared_read(&sh->best_key);
+    if (bk > bar_key) {
+      bar_key = bk;
+      bar = dv_unord(bk);
+      xb = dv_raw_bound_fast(bar, T);
+    }
+#endif
+  }
+};
+
+template <typename Tag>
+__device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
+                            const DvParams& p, unsigned d, float m, float my_m, unsigned my_id,
+                            float& best_score, unsigned& best_id, float& best_val,
+                            DvRowShared& sh, DvQueue& q) {
+  typedef typename Tag::Storage S;
+  constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec;
+  const unsigned t = threadIdx.x, B = blockDim.x;
+  const dv_u64 key = dv_stream_key(p, d);
+  DvTempQueue<false> w;
+  w.T = p.temperature;
+  w.rT = 1.0f / w.T;
+  w.k0 = (unsigned)(key & 0xFFFFFFFFull);
+  w.k1 = (unsigned)(key >> 32);
+  w.best_score = dv_neg_inf();
+  w.best_id = DV_NO_ID;
+  w.best_val = dv_neg_inf();
+  if (my_id != DV_NO_ID) {
+    w.best_score = dv_fadd(dv_fdiv(my_m, w.T), dv_noise(key, my_id));
+    w.best_id = my_id;
+    w.best_val = my_m;
+  }
+  dv_block_best(sh.red, w.best_score, w.best_id, w.best_val);
+  if (t == 0) sh.bound = dv_raw_bound(w.best_score, w.T, m);  // m's score is at most this
+  __syncthreads();
+  w.xb = sh.bound;
+  const float first_val = w.best_val;  // a column that never beats the best (queue padding)
+  const unsigned first_id = w.best_id;
+  w.qx = q.x[t >> 5];
+  w.qid = q.id[t >> 5];
+  w.cnt = 0;
+  w.lane = t & 31u;
+  w.W = dv_warp_width();
+  w.col0 = col0;
+  const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
+  unsigned head = mis ? E - mis : 0u;
+  if (head > ncols) head = ncols;
+  for (unsigned c0 = 0; c0 < head; c0 += B) {  // fewer than E columns: no drain needed
+    const unsigned c = c0 + t;
+    w.push(c < head ? argmax_load1<Tag>(row + c) : 0.0f, c, c < head);
+  }
+  w.drain();
+  const unsigned nvec = (ncols - head) / E;
+  const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
+  ArgmaxVec16 cur;
+  cur.w[0] = cur.w[1] = cur.w[2] = cur.w[3] = 0u;
+  if (t < nvec) cur = argmax_load16(vp + t);
+  for (unsigned v0 = 0; v0 < nvec; v0 += B) {
+    const unsigned v = v0 + t;
+    ArgmaxVec16 nxt;  // the next vector's load in flight while this one is scored
+    nxt.w[0] = nxt.w[1] = nxt.w[2] = nxt.w[3] = 0u;
+    if (v + B < nvec) nxt = argmax_load16(vp + (v + B));
+    float xs[E];
+    ArgmaxUnpack<Tag>::run(cur, xs);
+#pragma unroll
+    for (unsigned j = 0; j < E; ++j) w.push(xs[j], head + v * E + j, v < nvec);
+    w.drain();
+    cur = nxt;
+  }
+  const unsigned tail = head + nvec * E;
+  for (unsigned c0 = tail; c0 < ncols; c0 += B) {  // fewer than E columns
+    const unsigned c = c0 + t;
+    w.push(c < ncols ? argmax_load1<Tag>(row + c) : 0.0f, c, c < ncols);
+  }
+  w.drain();
+  w.flush(first_val, first_id);
+  best_score = w.best_score;
+  best_id = w.best_id;
+  best_val = w.best_val;
+  dv_block_best(sh.red, best_score, best_id, best_val);
+}
+
+#if DV_TEMP_ONEPASS > 0
 
 // A TEMP row's one read (DV_TEMP_ONEPASS): what dv_row_max gives (this thread's first
 // maximum m at column mc, and whether one of its columns is NaN) and, as dv_row_temp
@@ -1425,80 +1478,31 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
                                 float& best_val, DvRowShared& sh, DvQueue& q) {
   typedef typename Tag::Storage S;
   constexpr unsigned E = ArgmaxUnpack<Tag>::kPerVec, U = DV_ONEPASS_UNROLL;
-  const unsigned t = threadIdx.x, B = blockDim.x, lane = t & 31u, W = dv_warp_width();
+  const unsigned t = threadIdx.x, B = blockDim.x;
   const dv_u64 key = dv_stream_key(p, d);
-  const float T = p.temperature, rT = 1.0f / T;
-  const unsigned k0 = (unsigned)(key & 0xFFFFFFFFull), k1 = (unsigned)(key >> 32);
   m = dv_neg_inf();
   mc = DV_NO_ID;
   bool nan = false;
   float nacc = 0.0f;  // NaN once a vector had one
-  best_score = dv_neg_inf();
-  best_id = DV_NO_ID;
-  best_val = dv_neg_inf();
-  float bar = dv_neg_inf();  // the best score this lane knows of (its own or the block's)
-  unsigned bar_key = 0u;     // (dv_ord of bar; 0: none)
-  float xb = dv_neg_inf();   // dv_raw_bound_fast(bar)
-  bool improved = false;     // this lane's best rose since it last raised the block's
-  float* qx = q.x[t >> 5];
-  unsigned* qid = q.id[t >> 5];
-  unsigned cnt = 0;  // the warp's queue length (the same on every lane)
-  auto push = [&](float x, unsigned c, bool valid) {
-    const bool pass = valid && x >= xb;
-    const unsigned mask = __ballot_sync(DV_FULL, pass);
-    if (pass) {
-      const unsigned slot = cnt + __popc(mask & ((1u << lane) - 1u));
-      qx[slot] = x;
-      qid[slot] = col0 + c;
-    }
-    cnt += __popc(mask);
-  };
-  // dv_row_temp's, against bar: a score below any reached cannot win
-  auto finish = [&](float x, unsigned id, float u) {
-    const float za = x * rT, zh = za + ((za < 0.0f ? -za : za) * 1e-6f + 1e-37f);
-    if (!(dv_fadd(zh, DV_G_BOUND) >= bar)) return;
-    if (u < __expf(-__expf(zh - bar)) * 0.9999f) return;
-    const float sc = dv_fadd(dv_fdiv(x, T), dv_gumbel(u));
-    if (dv_better(sc, id, best_score, best_id)) {
-      best_score = sc;
-      best_id = id;
-      best_val = x;
-      improved = true;
-    }
-  };
-  auto drain = [&]() {
-    if (cnt < 2 * W) return;  // uniform over the warp
-    __syncwarp();
-    unsigned base = 0;
-    for (; base + 2 * W <= cnt; base += 2 * W) {
-      const float xa = qx[base + lane], xc = qx[base + W + lane];
-      const unsigned ia = qid[base + lane], ic = qid[base + W + lane];
-      const unsigned wa = dv_philox32_w0(ia, k0, k1), wc = dv_philox32_w0(ic, k0, k1);
-      finish(xa, ia, dv_uniform(wa));
-      finish(xc, ic, dv_uniform(wc));
-    }
-    const unsigned rest = cnt - base;
-    if (lane < rest) {
-      qx[lane] = qx[base + lane];
-      qid[lane] = qid[base + lane];
-    }
-    if (W + lane < rest) {
-      qx[W + lane] = qx[base + W + lane];
-      qid[W + lane] = qid[base + W + lane];
-    }
-    cnt = rest;
-    __syncwarp();
-    if (improved) {
-      atomicMax(&sh.best_key, dv_ord(best_score));
-      improved = false;
-    }
-    const unsigned bk = dv_shared_read(&sh.best_key);
-    if (bk > bar_key) {
-      bar_key = bk;
-      bar = dv_unord(bk);
-      xb = dv_raw_bound_fast(bar, T);
-    }
-  };
+  DvTempQueue<true> w;
+  w.T = p.temperature;
+  w.rT = 1.0f / w.T;
+  w.k0 = (unsigned)(key & 0xFFFFFFFFull);
+  w.k1 = (unsigned)(key >> 32);
+  w.best_score = dv_neg_inf();
+  w.best_id = DV_NO_ID;
+  w.best_val = dv_neg_inf();
+  w.bar = dv_neg_inf();
+  w.bar_key = 0u;
+  w.xb = dv_neg_inf();
+  w.improved = false;
+  w.sh = &sh;
+  w.qx = q.x[t >> 5];
+  w.qid = q.id[t >> 5];
+  w.cnt = 0;
+  w.lane = t & 31u;
+  w.W = dv_warp_width();
+  w.col0 = col0;
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
@@ -1513,7 +1517,7 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
         mc = c;
       }
     }
-    push(x, c, ok);
+    w.push(x, c, ok);
   }
   const unsigned nvec = (ncols - head) / E;
   const ArgmaxVec16* vp = (const ArgmaxVec16*)(row + head);
@@ -1540,16 +1544,16 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
   if (t == 0) sh.best_key = 0u;  // (the previous row's: no thread reads it before the barrier)
   dv_block_best(sh.red, sm, sid, unused);
   if (sid != DV_NO_ID) {
-    best_score = dv_fadd(dv_fdiv(sm, T), dv_noise(key, sid));
-    best_id = sid;
-    best_val = sm;
-    bar = best_score;
-    bar_key = dv_ord(bar);
-    xb = dv_raw_bound_fast(bar, T);
+    w.best_score = dv_fadd(dv_fdiv(sm, w.T), dv_noise(key, sid));
+    w.best_id = sid;
+    w.best_val = sm;
+    w.bar = w.best_score;
+    w.bar_key = dv_ord(w.bar);
+    w.xb = dv_raw_bound_fast(w.bar, w.T);
   }
-  const float first_val = best_val;  // a column that never beats a lane's best (padding)
-  const unsigned first_id = best_id;
-  drain();
+  const float first_val = w.best_val;  // a column that never beats a lane's best (padding)
+  const unsigned first_id = w.best_id;
+  w.drain();
   for (unsigned v0 = 0; v0 < nvec; v0 += U * B) {  // (v0 the same on every thread)
     ArgmaxVec16 nxt[U];
 #pragma unroll
@@ -1583,8 +1587,8 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
         }
       }
 #pragma unroll
-      for (unsigned j = 0; j < E; ++j) push(xs[j], head + v * E + j, ok);
-      drain();
+      for (unsigned j = 0; j < E; ++j) w.push(xs[j], head + v * E + j, ok);
+      w.drain();
     }
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) cur[u] = nxt[u];
@@ -1601,21 +1605,13 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
         mc = c;
       }
     }
-    push(x, c, ok);
+    w.push(x, c, ok);
   }
-  drain();
-  if (cnt > 0) {  // the leftovers, padded with the seed's column, as dv_row_temp does
-    if (lane >= cnt) {
-      qx[lane] = first_val;
-      qid[lane] = first_id;
-    }
-    if (W + lane >= cnt) {
-      qx[W + lane] = first_val;
-      qid[W + lane] = first_id;
-    }
-    cnt = 2 * W;
-    drain();
-  }
+  w.drain();
+  w.flush(first_val, first_id);  // the leftovers, padded with the seed's column
+  best_score = w.best_score;
+  best_id = w.best_id;
+  best_val = w.best_val;
   return nan || nacc != nacc;
 }
 #endif
