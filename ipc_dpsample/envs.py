@@ -229,11 +229,11 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar(
             "IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS",
             _one_of_ints(0, 1, 2),
-            0,
+            1,
             "tuning (compile time): which temperature rows the record kernel of batches "
             "without top-k rows reads once, their maximum and their sampled column from the "
             "same read (the bound on the columns worth scoring rises as the block scores "
-            "them), instead of twice: 1 float32 rows, 2 every dtype, 0 none",
+            "them), instead of twice: 1 float32 rows (the default), 2 every dtype, 0 none",
         ),
         EnvVar(
             "IPC_DPSAMPLE_LINEINFO",
@@ -312,7 +312,7 @@ class OnesidedTuning:
     verify_unroll: int = 2
     verify_list_unroll: int = 4
     verify_prefetch_lines: int = 2
-    verify_temp_onepass: int = 0
+    verify_temp_onepass: int = 1
 
     @property
     def compile_options(self) -> tuple[str, ...]:

@@ -529,9 +529,9 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 // DV_TEMP_ONEPASS: which temperature rows the record kernel without top-k lists (batches
 // without top-k rows) reads once (dv_row_max_temp), their maximum and their sampled column
 // from the same read, the bound on the columns worth scoring rising as the block scores
-// them; the others read the row for its maximum, then again (dv_row_temp). 1: float32
-// rows, whose second read an H100 found mostly coming from DRAM again; 2: every dtype; 0
-// (default, until the GPU tests have run on the build of 1): none. The top-k kernel never
+// them; the others read the row for its maximum, then again (dv_row_temp). 1 (default):
+// float32 rows, whose second read an H100 found mostly coming from DRAM again; 2: every
+// dtype; 0: none. The top-k kernel never
 // does (its code, and so its top-k rows' speed, is that of 0: the one-read code made it
 // spill more). With one read, more columns need their noise
 // (the bound is looser while little of the row has been scored: about 24 % of the
@@ -539,7 +539,7 @@ __device__ __forceinline__ unsigned dv_block_scan(DvShared& sh, unsigned x, unsi
 // H100 (gated tp=8, pad_bs=256, BENCHMARKS.md) float32 rows took 11 % less time with one
 // read, bfloat16 rows (whose second read L2 serves) 14 % more.
 #ifndef DV_TEMP_ONEPASS
-#define DV_TEMP_ONEPASS 0
+#define DV_TEMP_ONEPASS 1
 #endif
 #ifndef DV_ONEPASS_UNROLL
 #define DV_ONEPASS_UNROLL 2  // 16-byte loads a thread issues a round ahead in that pass

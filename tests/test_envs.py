@@ -82,7 +82,7 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_TEMP_ONEPASS=2",
     )
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
-    assert "-DDV_TEMP_ONEPASS=0" in envs.onesided_tuning().compile_options  # default
+    assert "-DDV_TEMP_ONEPASS=1" in envs.onesided_tuning().compile_options  # default
     monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "3")
     with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS='3'"):
         envs.onesided_tuning()

@@ -127,9 +127,9 @@ VKEY_CAPS = {"small": 200, "row-passes": 8}
 VLISTS = {"small": 2, "row-passes": 1}
 #: ... and which temperature rows of batches without top-k rows are read once, their
 #: maximum and sampled column from one read (``DV_TEMP_ONEPASS``; a second read only for
-#: rows with a NaN or a non-finite maximum): none on the default build (its default, 0),
-#: every row on "row-passes" (2), float32 rows on "small" (1)
-ONEPASS = {"row-passes": 2, "small": 1}
+#: rows with a NaN or a non-finite maximum): float32 rows on the default build (its
+#: default, 1), every row on "row-passes" (2), none on "small" (0)
+ONEPASS = {"row-passes": 2, "small": 0}
 WITH_EVERY_CAP = pytest.mark.parametrize("lib", sorted(CAND_CAPS), indirect=True)
 #: the default build only: tests of paths that the other builds do not change or whose
 #: top-k and first-pass variants other tests already run on every build (column blocks:
@@ -790,8 +790,8 @@ def test_temperature_contender_left_in_a_queue(lib: Any, block: int) -> None:
 @pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_temperature_rows_that_test_a_rising_bound(lib: Any, block: int, dtype: str) -> None:
-    # a temperature row read once (every row on "row-passes", float32 rows on "small"; the
-    # default build reads each row twice) bounds the columns it scores by the best score
+    # a temperature row read once (every row on "row-passes", float32 rows on the default
+    # build; "small" reads each row twice) bounds the columns it scores by the best score
     # found so far, which rises as it goes: rows rising to the end (each vector a
     # new maximum, so every bound is soon passed), falling rows, rows whose first vectors
     # are all -inf (no seed), rows with a lone winner at the end, rows whose scores x / T
