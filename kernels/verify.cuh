@@ -1296,6 +1296,31 @@ struct DvTempQueue {
   bool improved;     // kRising: this lane's best rose since it last raised the block's
   DvRowShared* sh;   // kRising: the block's best (best_key)
 
+  // a row's start: its noise stream and temperature, no best yet, this warp's queue empty
+  // and every column passing (xb = -inf) until the caller sets the bound
+  __device__ __forceinline__ void start(const DvParams& p, dv_u64 key, unsigned c0,
+                                        DvRowShared& s, DvQueue& q) {
+    const unsigned t = threadIdx.x;
+    T = p.temperature;
+    rT = 1.0f / T;
+    k0 = (unsigned)(key & 0xFFFFFFFFull);
+    k1 = (unsigned)(key >> 32);
+    best_score = dv_neg_inf();
+    best_id = DV_NO_ID;
+    best_val = dv_neg_inf();
+    bar = dv_neg_inf();
+    bar_key = 0u;
+    xb = dv_neg_inf();
+    improved = false;
+    sh = &s;
+    qx = q.x[t >> 5];
+    qid = q.id[t >> 5];
+    cnt = 0;
+    lane = t & 31u;
+    W = dv_warp_width();
+    col0 = c0;
+  }
+
   // queue column c (value x) if it passes the bound; every lane of the warp calls it
   __device__ __forceinline__ void push(float x, unsigned c, bool valid) {
     const bool pass = valid && x >= xb;
@@ -1394,13 +1419,7 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   const unsigned t = threadIdx.x, B = blockDim.x;
   const dv_u64 key = dv_stream_key(p, d);
   DvTempQueue<false> w;
-  w.T = p.temperature;
-  w.rT = 1.0f / w.T;
-  w.k0 = (unsigned)(key & 0xFFFFFFFFull);
-  w.k1 = (unsigned)(key >> 32);
-  w.best_score = dv_neg_inf();
-  w.best_id = DV_NO_ID;
-  w.best_val = dv_neg_inf();
+  w.start(p, key, col0, sh, q);
   if (my_id != DV_NO_ID) {
     w.best_score = dv_fadd(dv_fdiv(my_m, w.T), dv_noise(key, my_id));
     w.best_id = my_id;
@@ -1412,12 +1431,6 @@ __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, un
   w.xb = sh.bound;
   const float first_val = w.best_val;  // a column that never beats the best (queue padding)
   const unsigned first_id = w.best_id;
-  w.qx = q.x[t >> 5];
-  w.qid = q.id[t >> 5];
-  w.cnt = 0;
-  w.lane = t & 31u;
-  w.W = dv_warp_width();
-  w.col0 = col0;
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
@@ -1485,24 +1498,7 @@ __device__ bool dv_row_max_temp(const typename Tag::Storage* row, unsigned ncols
   bool nan = false;
   float nacc = 0.0f;  // NaN once a vector had one
   DvTempQueue<true> w;
-  w.T = p.temperature;
-  w.rT = 1.0f / w.T;
-  w.k0 = (unsigned)(key & 0xFFFFFFFFull);
-  w.k1 = (unsigned)(key >> 32);
-  w.best_score = dv_neg_inf();
-  w.best_id = DV_NO_ID;
-  w.best_val = dv_neg_inf();
-  w.bar = dv_neg_inf();
-  w.bar_key = 0u;
-  w.xb = dv_neg_inf();
-  w.improved = false;
-  w.sh = &sh;
-  w.qx = q.x[t >> 5];
-  w.qid = q.id[t >> 5];
-  w.cnt = 0;
-  w.lane = t & 31u;
-  w.W = dv_warp_width();
-  w.col0 = col0;
+  w.start(p, key, col0, sh, q);
   const unsigned mis = (unsigned)(((dv_u64)row & 15ull) / sizeof(S));
   unsigned head = mis ? E - mis : 0u;
   if (head > ncols) head = ncols;
