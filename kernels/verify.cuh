@@ -1232,18 +1232,6 @@ __device__ float dv_raw_bound(float s, float T, float m) {
   return dv_unord(hi);
 }
 
-// The best (score desc, id asc) column of a TEMP row of one shard: m (its column
-// max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
-// column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
-// DV_G_BOUND: only columns at or above dv_raw_bound of a score already reached can win.
-// That first score is the best of every thread's own maximum (one noise per thread, near
-// the row's final best, so the bound spares nearly every column that cannot win). Each
-// warp queues the columns that pass in shared memory and scores them 64 at a time, two
-// per lane (two independent Philox chains), so the noise runs on full warps whatever
-// the share of such columns; a fast single-precision estimate then spares the exact
-// double-precision noise of the columns that cannot beat the lane's best. The scoring
-// code sits at three places only (head, vectors, tail), not once per unrolled column:
-// the kernel's instructions stay within the instruction caches.
 // The largest float32 at or below d (not NaN).
 __device__ __forceinline__ float dv_float_down(double d) {
   float f = (float)d;
@@ -1409,6 +1397,18 @@ struct DvTempQueue {
   }
 };
 
+// The best (score desc, id asc) column of a TEMP row of one shard: m (its column
+// max_id) is the shard's maximum, my_m (column my_id, DV_NO_ID: none) this thread's, no
+// column is NaN. Each column's score is float32(x / T) + noise, and the noise is below
+// DV_G_BOUND: only columns at or above dv_raw_bound of a score already reached can win.
+// That first score is the best of every thread's own maximum (one noise per thread, near
+// the row's final best, so the bound spares nearly every column that cannot win). Each
+// warp queues the columns that pass in shared memory and scores them 64 at a time, two
+// per lane (two independent Philox chains), so the noise runs on full warps whatever
+// the share of such columns; a fast single-precision estimate then spares the exact
+// double-precision noise of the columns that cannot beat the lane's best. The scoring
+// code sits at three places only (head, vectors, tail), not once per unrolled column:
+// the kernel's instructions stay within the instruction caches.
 template <typename Tag>
 __device__ void dv_row_temp(const typename Tag::Storage* row, unsigned ncols, unsigned col0,
                             const DvParams& p, unsigned d, float m, float my_m, unsigned my_id,
