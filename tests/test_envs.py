@@ -81,18 +81,17 @@ def test_onesided_tuning_reads_the_environment_when_asked(monkeypatch: pytest.Mo
         "-DDV_PREFETCH_LINES=1",
         "-DDV_TEMP_ONEPASS=2",
     )
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
-    assert "-DDV_TEMP_ONEPASS=1" in envs.onesided_tuning().compile_options  # default
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "3")
-    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS='3'"):
-        envs.onesided_tuning()
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS")
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
-    assert "-DDV_PREFETCH_LINES=2" in envs.onesided_tuning().compile_options  # default
-    monkeypatch.setenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "3")
-    with pytest.raises(ValueError, match=r"IPC_DPSAMPLE_VERIFY_PREFETCH_LINES='3'"):
-        envs.onesided_tuning()
-    monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES")
+    # each knob unset gives its default; 3, which neither accepts, raises naming it
+    for var, default in [
+        ("IPC_DPSAMPLE_VERIFY_TEMP_ONEPASS", "-DDV_TEMP_ONEPASS=1"),
+        ("IPC_DPSAMPLE_VERIFY_PREFETCH_LINES", "-DDV_PREFETCH_LINES=2"),
+    ]:
+        monkeypatch.delenv(var)
+        assert default in envs.onesided_tuning().compile_options
+        monkeypatch.setenv(var, "3")
+        with pytest.raises(ValueError, match=rf"{var}='3'"):
+            envs.onesided_tuning()
+        monkeypatch.delenv(var)
     monkeypatch.delenv("IPC_DPSAMPLE_VERIFY_LIST_UNROLL")
     assert "-DDV_LIST_UNROLL=4" in envs.onesided_tuning().compile_options  # the default
     monkeypatch.delenv("IPC_DPSAMPLE_SWAP_CTA_FENCE")
